@@ -1,0 +1,84 @@
+"""Shared benchmark machinery: the bandwidth ceiling measured in the same run, L2-cold timing by
+CUDA-graph replay over a rotating stack of inputs, and the printed table.
+
+L2-cold: the H200 has 60 MiB of L2. Each benchmark builds `copies` independent input sets whose total
+exceeds `COLD_BYTES`, captures one call per set into a single CUDA graph, and times replays of that
+graph with CUDA events; time per call = replay time / copies. Median of `reps` replays.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+COLD_BYTES = 256 << 20  # > 4x the H200's 60 MiB L2
+
+
+def copies_for(nbytes: int, minimum: int = 4, maximum: int = 512) -> int:
+    """How many input sets of `nbytes` make a stack larger than COLD_BYTES."""
+    return max(minimum, min(maximum, math.ceil(COLD_BYTES / max(nbytes, 1))))
+
+
+def time_graph(calls, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds of one call, for `calls` a list of zero-argument callables (one per input
+    set), all captured into one CUDA graph and replayed back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[: min(len(calls), 2)]:  # warm up outside the graph (lazy init, autotune)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
+    """Device bandwidth ceiling in GB/s, measured now: the better of a large device-to-device copy
+    (bytes read + written) and a large read-only reduction. Both are L2-cold at this size."""
+    src = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    acc = torch.empty((), device="cuda", dtype=torch.float32)
+    copy_us = time_graph([lambda: dst.copy_(src)], reps=10)
+    read_us = time_graph([lambda: torch.sum(src, out=acc)], reps=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return max(2 * nbytes / copy_us, nbytes / read_us) / 1e3
+
+
+def print_table(title: str, headers: list[str], rows: list[list], file=None) -> str:
+    """A fixed-width table; returns the text (also printed, and appended to `file` if given)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [f"### {title}", ""]
+    lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(cells[0], widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if file:
+        with open(file, "a") as f:
+            f.write(text + "\n")
+    return text
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        return f"{c:.1f}" if abs(c) >= 10 else f"{c:.2f}"
+    return str(c)

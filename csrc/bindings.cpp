@@ -1,0 +1,54 @@
+// Every decodex op, each schema written once. Decode-path ops write into caller-owned buffers and
+// return () so one CUDA graph can replay them on fixed memory. Shapes: B batch, M rows of x,
+// K inner dim, N output features, H query heads, Hkv KV heads, S cache capacity, D head dim, V vocab.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// A minimal module init so `import decodex._C` loads this library (and its registrations) under
+// Python's stable ABI: the same .so works on every Python 3.x that torch supports.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(decodex, m) {
+  // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, M <= 8, K % 8 == 0.
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // out[M,K] = x / rms(x) * weight.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  // residual[M,K] += x; out = residual / rms(residual) * weight.
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  // q[B,H,D] and k[B,Hkv,D] rotated in place (half-split RoPE at positions[B], int32);
+  // k and v then written to k_cache/v_cache[B,Hkv,S,D] at that position. positions[b] < 0: row skipped.
+  m.def("rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, Tensor(c!) k_cache, Tensor(d!) v_cache) -> ()");
+  // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.
+  // workspace: fp32 [B, H, splits, D + 2], splits >= decode_attention_splits(B, Hkv, S).
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale, Tensor(a!) workspace, Tensor(b!) out) -> ()");
+  // How many KV splits decode_attention uses for this batch, KV heads, cache capacity and SM count
+  // (a pure function, so Python can size the workspace and CPU tests can check it).
+  m.def("decode_attention_splits(int batch, int num_kv_heads, int capacity, int sm_count) -> int",
+        &decodex::decode_attention_splits);
+  // out[B] (int64) = argmax(logits[B,V]); ties go to the lowest index.
+  m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
+  // out[B] (int64): a token drawn from softmax(logits / temperature) restricted to top_k (0: off)
+  // and top_p; temperature[b] == 0 means greedy. The draw is a hash of (seed[b], positions[b]).
+  m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor positions, Tensor(a!) out) -> ()");
+  // For each live row (positions[b] >= 0): positions[b] += 1; lengths[b] = positions[b] + 1.
+  m.def("advance_positions(Tensor(a!) positions, Tensor(b!) lengths) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(decodex, CUDA, m) {
+  m.impl("gemv", &decodex::gemv);
+  m.impl("rms_norm", &decodex::rms_norm);
+  m.impl("fused_add_rms_norm", &decodex::fused_add_rms_norm);
+  m.impl("rope_append", &decodex::rope_append);
+  m.impl("silu_mul", &decodex::silu_mul);
+  m.impl("decode_attention", &decodex::decode_attention);
+  m.impl("argmax", &decodex::argmax);
+  m.impl("sample", &decodex::sample);
+  m.impl("advance_positions", &decodex::advance_positions);
+}

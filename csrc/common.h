@@ -1,0 +1,102 @@
+// Shared helpers for decodex's launchers: argument checks with messages that name the argument,
+// the launch-error check, and small device utilities used by more than one kernel.
+// Kept light on purpose (no torch/all.h): every .cu includes it, and nvcc compile time matters on
+// 2-core CI machines.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace decodex {
+
+// Argument checks: the message always names the argument as the user spelled it in the schema.
+#define DX_CHECK_CUDA(t) TORCH_CHECK((t).is_cuda(), #t " must be a CUDA tensor, got device ", (t).device())
+#define DX_CHECK_DTYPE(t, dt) \
+  TORCH_CHECK((t).scalar_type() == (dt), #t " must have dtype ", (dt), ", got ", (t).scalar_type())
+#define DX_CHECK_DIM(t, d) TORCH_CHECK((t).dim() == (d), #t " must be ", (d), "-D, got shape ", (t).sizes())
+#define DX_CHECK_CONTIGUOUS(t) \
+  TORCH_CHECK((t).is_contiguous(), #t " must be contiguous, got strides ", (t).strides())
+#define DX_CHECK_SAME_DEVICE(a, b) \
+  TORCH_CHECK((a).device() == (b).device(), #a " and " #b " must be on the same device, got ", \
+              (a).device(), " and ", (b).device())
+#define DX_CHECK_SHAPE(t, ...)                                                              \
+  TORCH_CHECK((t).sizes() == c10::IntArrayRef({__VA_ARGS__}), #t " must have shape ",       \
+              c10::IntArrayRef({__VA_ARGS__}), ", got ", (t).sizes())
+// 16-byte vector loads need 16-byte aligned base pointers.
+#define DX_CHECK_ALIGNED16(t)                                                   \
+  TORCH_CHECK(reinterpret_cast<uintptr_t>((t).data_ptr()) % 16 == 0, #t       \
+              " must be 16-byte aligned (its storage offset breaks vector loads)")
+
+// After every launch: a bad configuration surfaces here, named by the op.
+#define DX_CHECK_LAUNCH(op)                                                              \
+  do {                                                                                   \
+    cudaError_t err_ = cudaGetLastError();                                               \
+    TORCH_CHECK(err_ == cudaSuccess, "decodex::" op " kernel launch failed: ",           \
+                cudaGetErrorString(err_));                                               \
+  } while (0)
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 64 && cached[device]) return cached[device];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  if (device < 64) cached[device] = n;
+  return n;
+}
+
+// ---- device utilities ----
+
+// 8 bf16 values moved as one 16-byte vector.
+struct alignas(16) bf16x8 {
+  __nv_bfloat162 h[4];
+};
+
+__device__ __forceinline__ void bf16x8_to_float(const bf16x8& v, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 p = __bfloat1622float2(v.h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ bf16x8 float_to_bf16x8(const float (&f)[8]) {
+  bf16x8 v;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, at most 1024). `scratch` holds 32 floats.
+// Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+}  // namespace decodex

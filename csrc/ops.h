@@ -1,0 +1,27 @@
+// The host launchers of every decodex op, one per csrc/<op>.cu. bindings.cpp registers them.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+
+namespace decodex {
+
+void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+          at::Tensor& out);
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps, at::Tensor& out);
+void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
+                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache);
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& lengths, double scale, at::Tensor& workspace,
+                      at::Tensor& out);
+int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
+                                int64_t sm_count);
+void argmax(const at::Tensor& logits, at::Tensor& out);
+void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+            const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,
+            at::Tensor& out);
+void advance_positions(at::Tensor& positions, at::Tensor& lengths);
+
+}  // namespace decodex

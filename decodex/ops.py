@@ -1,0 +1,88 @@
+"""Python face of the kernels: fake impls (so torch.compile and opcheck can trace the ops) and
+allocating wrappers for use outside a CUDA graph. The decode path calls torch.ops.decodex.* with
+its own preallocated buffers instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from decodex import _ext
+
+ops = torch.ops.decodex if _ext.available() else None
+
+
+if _ext.available():
+    # Ops that only write their out-params: nothing to describe but "no outputs".
+    def _no_output(*args, **kwargs):
+        return None
+
+    for _name in ("gemv", "rms_norm", "fused_add_rms_norm", "rope_append", "silu_mul",
+                  "decode_attention", "argmax", "sample", "advance_positions"):
+        torch.library.register_fake(f"decodex::{_name}")(_no_output)
+
+
+def _require():
+    if not _ext.available():
+        raise RuntimeError(_ext.why_unavailable())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> new [M, N]."""
+    _require()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    ops.gemv(x, weight, bias, out)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _require()
+    out = torch.empty_like(x)
+    ops.rms_norm(x, weight, eps, out)
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns rms_norm(residual)."""
+    _require()
+    out = torch.empty_like(x)
+    ops.fused_add_rms_norm(x, residual, weight, eps, out)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _require()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+    ops.silu_mul(gate_up, out)
+    return out
+
+
+def attention_workspace(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, capacity: int,
+                        device) -> torch.Tensor:
+    """The fp32 scratch decode_attention needs for a cache of this capacity."""
+    _require()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = ops.decode_attention_splits(batch, num_kv_heads, capacity, sms)
+    return torch.empty(batch, num_heads, splits, head_dim + 2, dtype=torch.float32, device=device)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, scale: float) -> torch.Tensor:
+    _require()
+    B, H, D = q.shape
+    ws = attention_workspace(B, H, k_cache.shape[1], D, k_cache.shape[2], q.device)
+    out = torch.empty_like(q)
+    ops.decode_attention(q, k_cache, v_cache, lengths, scale, ws, out)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    _require()
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    ops.argmax(logits, out)
+    return out
+
+
+def sample(logits, temperature, top_k, top_p, seed, positions) -> torch.Tensor:
+    _require()
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    ops.sample(logits, temperature, top_k, top_p, seed, positions, out)
+    return out

@@ -1,0 +1,215 @@
+"""Plain-PyTorch reference of every decodex op, in fp32 math.
+
+These functions are the source of truth: every kernel test compares against them, and on a machine
+without a GPU they are the path decodex takes. Each returns new tensors in the input's dtype (the
+kernels write caller-owned buffers instead); `rope_append` is the one that also writes the caches it
+is given, as the kernel does.
+
+Shapes: B batch, M rows, K inner dim, N features, H query heads, Hkv KV heads, S cache capacity,
+D head dim, V vocabulary, T tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., K] / rms(x) * weight [K]."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x; out = rms_norm(residual). Returns (out, new residual).
+
+    The norm is taken of the residual as stored (rounded to its dtype), as the kernel does.
+    """
+    new_residual = (residual.float() + x.float()).to(residual.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [D/2] (fp32) of the half-split RoPE, with Llama-3 scaling if given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE of x [..., H, D] at positions [...] (one per row of heads)."""
+    angle = positions.float()[..., None] * inv_freq.float()  # [..., D/2]
+    cos, sin = angle.cos().unsqueeze(-2), angle.sin().unsqueeze(-2)  # [..., 1, D/2]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [B, H, D] and k [B, Hkv, D] at positions [B], then k and v written into
+    k_cache / v_cache [B, Hkv, S, D] at that position. Rows with a negative position are skipped
+    (left as they were). Returns (rotated q, rotated k)."""
+    capacity = k_cache.shape[2]
+    q_rot, k_rot = q.clone(), k.clone()
+    for b, pos in enumerate(positions.tolist()):
+        if pos < 0:
+            continue
+        if pos >= capacity:
+            raise IndexError(f"positions[{b}] = {pos} is past the cache capacity {capacity}")
+        p = torch.tensor(pos)
+        q_rot[b] = rope(q[b], p, inv_freq)
+        k_rot[b] = rope(k[b], p, inv_freq)
+        k_cache[b, :, pos] = k_rot[b].to(k_cache.dtype)
+        v_cache[b, :, pos] = v[b].to(v_cache.dtype)
+    return q_rot, k_rot
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] -> silu(gate) * up [M, I]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None) -> torch.Tensor:
+    """q [T, H, D] over k, v [L, Hkv, D] (grouped-query heads), fp32 softmax. mask [T, L] bool."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q.float(), kf) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), vf)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] over the first lengths[b] rows of k_cache / v_cache
+    [B, Hkv, S, D]. A sequence of length 0 gets zeros."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b, length in enumerate(lengths.tolist()):
+        if length > 0:
+            k = k_cache[b, :, :length].transpose(0, 1)  # [L, Hkv, D]
+            v = v_cache[b, :, :length].transpose(0, 1)
+            out[b] = _attend(q[b : b + 1], k, v, scale)[0]
+    return out.to(q.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill attention: q [T, H, D] are the last T of the L positions in k, v [L, Hkv, D];
+    query i (position L - T + i) sees keys 0 .. L - T + i."""
+    T, L = q.shape[0], k.shape[0]
+    mask = torch.arange(L)[None, :] <= (torch.arange(T)[:, None] + (L - T))
+    return _attend(q, k, v, scale, mask).to(q.dtype)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]; ties go to the lowest index."""
+    return logits.float().argmax(dim=-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw in [0, 1) that `sample` uses for a sequence at a position: 24 bits of a hash, so the
+    kernel reproduces it exactly and a (seed, position) pair always gives the same token."""
+    h = _splitmix64((_splitmix64(seed & _MASK64) + (position & _MASK64)) & _MASK64)
+    return (h >> 40) * (1.0 / (1 << 24))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of logits [B, V] -> int64 [B].
+
+    Row b: greedy if temperature[b] <= 0. Otherwise p = softmax(logits / temperature) restricted to
+    the logits >= the top_k-th largest (top_k <= 0: no limit), then to the probabilities >= the
+    smallest one that the top_p nucleus needs (ties kept), renormalised; the token is the first index
+    whose running sum of p (in index order) exceeds u * sum, u = uniform(seed[b], positions[b]).
+    """
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    for b in range(logits.shape[0]):
+        row = logits[b].float()
+        t = float(temperature[b])
+        if t <= 0:
+            out[b] = row.argmax()
+            continue
+        row = row / t
+        keep = torch.ones_like(row, dtype=torch.bool)
+        k = int(top_k[b])
+        if 0 < k < row.numel():
+            keep &= row >= row.topk(k).values[-1]
+        p = torch.exp(row - row.max()) * keep
+        p = p / p.sum()
+        pp = float(top_p[b])
+        if pp < 1.0:
+            sorted_p = p.sort(descending=True).values
+            need = int((sorted_p.cumsum(0) < pp).sum()) + 1  # smallest prefix reaching top_p
+            keep &= p >= sorted_p[min(need, sorted_p.numel()) - 1]
+            p = p * keep
+        csum = p.cumsum(0)
+        u = uniform(int(seed[b]), int(positions[b]))
+        idx = int((csum <= u * float(csum[-1])).sum())
+        # The running sum can stop short of the last kept token by rounding: clamp to one kept.
+        kept = keep.nonzero().flatten()
+        out[b] = min(idx, int(kept[-1]))
+    return out
+
+
+def advance_positions(positions: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Live rows (positions >= 0) move one token on: positions + 1, lengths = positions + 1."""
+    live = positions >= 0
+    new_pos = torch.where(live, positions + 1, positions)
+    new_len = torch.where(live, new_pos + 1, lengths)
+    return new_pos, new_len

@@ -1,0 +1,64 @@
+"""Builds decodex._C, the CUDA kernels, as a torch extension with ninja.
+
+Works without a GPU: the architecture list is explicit (sm_90 by default; set TORCH_CUDA_ARCH_LIST,
+e.g. "9.0" or "9.0;10.0", to change it) and CUDA_HOME defaults to the toolkit nvcc belongs to.
+The module uses Python's stable ABI (abi3), so one build serves every Python version.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+# Before importing torch.utils.cpp_extension: it reads these at import time.
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
+    for candidate in ("/usr/local/cuda-13.0", "/usr/local/cuda"):
+        if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = candidate
+            break
+
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The header other C++ extensions include travels inside the package (decodex.include_dir()).
+_header_src = os.path.join(HERE, "csrc", "decodex_ops.h")
+_header_dst = os.path.join(HERE, "decodex", "include", "decodex", "decodex_ops.h")
+if os.path.exists(_header_src):
+    os.makedirs(os.path.dirname(_header_dst), exist_ok=True)
+    shutil.copyfile(_header_src, _header_dst)
+
+nvcc_flags = [
+    "-O3",
+    "-std=c++20",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    # torch hides bf16 conversions from nvcc; decodex converts explicitly, but re-enable the
+    # operators so kernels can use __nv_bfloat16 arithmetic where it reads better.
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+]
+if os.environ.get("DECODEX_PTXAS_VERBOSE"):
+    nvcc_flags.append("-Xptxas=-v")
+
+setup(
+    ext_modules=[
+        CUDAExtension(
+            name="decodex._C",
+            sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
+            include_dirs=[os.path.join(HERE, "csrc")],
+            extra_compile_args={
+                "cxx": ["-O3", "-std=c++20"],
+                "nvcc": nvcc_flags,
+            },
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
