@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One command for the lent H200: build the extension, run every test (GPU ones included), run
+# compute-sanitizer on the op tests, then the benchmarks. Logs land in $OUT (or ./h200-out).
+#   bash bench/h200.sh [build|test|sanitize|bench|decode|all]...   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/h200-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
+export DECODEX_CACHE="$PWD/.decodex-cache"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+
+if [ -d .whl ]; then  # packages the H200 image lacks (gguf), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+if has build; then
+  t0=$(date +%s)
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  grep -E "registers|spill|stack frame" "$OUT/build.log" > "$OUT/ptxas.txt" || true
+  echo "build: $(( $(date +%s) - t0 )) s"
+  python3 -c "import torch, decodex; assert decodex._ext.available(), decodex._ext.why_unavailable(); print('import ok', torch.__version__, torch.cuda.get_device_name())"
+fi
+if has test; then
+  python3 -m pytest tests -q -rs -x --timeout=600 -p no:cacheprovider 2>&1 | tee "$OUT/test.log" | tail -40
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    DECODEX_TEST_QUICK=1 compute-sanitizer --tool $tool --error-exitcode 1 \
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemv.py tests/test_decode_attention.py \
+      tests/test_rms_norm.py tests/test_rope_append.py tests/test_silu_mul.py tests/test_argmax.py \
+      tests/test_sample.py tests/test_advance_positions.py > "$OUT/sanitize_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1))"
+  done
+fi
+if has bench; then
+  python3 -m bench.run_all --out "$OUT/bench_ops.md" 2>&1 | tail -200
+fi
+if has decode; then
+  python3 -m bench.decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.md" | tail -80
+fi

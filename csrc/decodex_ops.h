@@ -1,0 +1,80 @@
+// decodex ops for other C++ extensions. Header-only: each function calls the op through the torch
+// dispatcher, so nothing links against decodex._C — but decodex must be loaded in the process
+// (`import decodex` in Python, or torch.ops.load_library on decodex/_C*.so) before the first call.
+// Include path: python -c "import decodex; print(decodex.include_dir())".
+// Shapes and semantics: see the schema comments in decodex's csrc/bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+
+namespace decodex_ops {
+
+namespace detail {
+template <typename Sig>
+inline c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+}  // namespace detail
+
+using T = at::Tensor;
+
+inline void gemv(const T& x, const T& weight, const std::optional<T>& bias, T& out) {
+  static auto h = detail::op<void(const T&, const T&, const std::optional<T>&, T&)>("decodex::gemv");
+  h.call(x, weight, bias, out);
+}
+
+inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
+  static auto h = detail::op<void(const T&, const T&, double, T&)>("decodex::rms_norm");
+  h.call(x, weight, eps, out);
+}
+
+inline void fused_add_rms_norm(const T& x, T& residual, const T& weight, double eps, T& out) {
+  static auto h = detail::op<void(const T&, T&, const T&, double, T&)>("decodex::fused_add_rms_norm");
+  h.call(x, residual, weight, eps, out);
+}
+
+inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& positions, T& k_cache,
+                        T& v_cache) {
+  static auto h = detail::op<void(T&, T&, const T&, const T&, const T&, T&, T&)>("decodex::rope_append");
+  h.call(q, k, v, inv_freq, positions, k_cache, v_cache);
+}
+
+inline void silu_mul(const T& gate_up, T& out) {
+  static auto h = detail::op<void(const T&, T&)>("decodex::silu_mul");
+  h.call(gate_up, out);
+}
+
+inline void decode_attention(const T& q, const T& k_cache, const T& v_cache, const T& lengths,
+                             double scale, T& workspace, T& out) {
+  static auto h = detail::op<void(const T&, const T&, const T&, const T&, double, T&, T&)>(
+      "decodex::decode_attention");
+  h.call(q, k_cache, v_cache, lengths, scale, workspace, out);
+}
+
+inline int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
+                                       int64_t sm_count) {
+  static auto h = detail::op<int64_t(int64_t, int64_t, int64_t, int64_t)>("decodex::decode_attention_splits");
+  return h.call(batch, num_kv_heads, capacity, sm_count);
+}
+
+inline void argmax(const T& logits, T& out) {
+  static auto h = detail::op<void(const T&, T&)>("decodex::argmax");
+  h.call(logits, out);
+}
+
+inline void sample(const T& logits, const T& temperature, const T& top_k, const T& top_p,
+                   const T& seed, const T& positions, T& out) {
+  static auto h = detail::op<void(const T&, const T&, const T&, const T&, const T&, const T&, T&)>(
+      "decodex::sample");
+  h.call(logits, temperature, top_k, top_p, seed, positions, out);
+}
+
+inline void advance_positions(T& positions, T& lengths) {
+  static auto h = detail::op<void(T&, T&)>("decodex::advance_positions");
+  h.call(positions, lengths);
+}
+
+}  // namespace decodex_ops
