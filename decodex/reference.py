@@ -94,7 +94,7 @@ def rope_append(
             continue
         if pos >= capacity:
             raise IndexError(f"positions[{b}] = {pos} is past the cache capacity {capacity}")
-        p = torch.tensor(pos)
+        p = torch.tensor(pos, device=q.device)
         q_rot[b] = rope(q[b], p, inv_freq)
         k_rot[b] = rope(k[b], p, inv_freq)
         k_cache[b, :, pos] = k_rot[b].to(k_cache.dtype)
@@ -124,7 +124,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence: q [B, H, D] over the first lengths[b] rows of k_cache / v_cache
     [B, Hkv, S, D]. A sequence of length 0 gets zeros."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, length in enumerate(lengths.tolist()):
         if length > 0:
             k = k_cache[b, :, :length].transpose(0, 1)  # [L, Hkv, D]
@@ -137,7 +137,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """Prefill attention: q [T, H, D] are the last T of the L positions in k, v [L, Hkv, D];
     query i (position L - T + i) sees keys 0 .. L - T + i."""
     T, L = q.shape[0], k.shape[0]
-    mask = torch.arange(L)[None, :] <= (torch.arange(T)[:, None] + (L - T))
+    mask = torch.arange(L, device=q.device)[None, :] <= (torch.arange(T, device=q.device)[:, None] + (L - T))
     return _attend(q, k, v, scale, mask).to(q.dtype)
 
 

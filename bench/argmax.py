@@ -1,0 +1,50 @@
+"""decodex::argmax against torch.argmax at the Qwen2.5 vocabulary sizes (151936 for 1.5B, 152064 for
+7B), B = 1 and 8, bf16 logits (plus fp32 at B = 1). The bar: V = 151936 bf16 at B = 1 in <= 6 us.
+
+L2-cold: one logits tensor per call in a stack larger than the L2, every call captured in one CUDA
+graph (bench.common). Bytes moved: the logits read once; % is of the bandwidth measured in the same
+run (a 300 KB read is latency-bound: launch + one DRAM round trip + the combine dominate).
+
+    python -m bench.argmax
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+
+SHAPES = [(1, 151936, torch.bfloat16), (8, 151936, torch.bfloat16), (1, 152064, torch.bfloat16),
+          (8, 152064, torch.bfloat16), (64, 151936, torch.bfloat16), (1, 151936, torch.float32)]
+TITLE = "argmax: decodex vs torch.argmax, L2-cold, CUDA graph, median"
+HEADERS = ["shape", "decodex us", "torch us", "GB/s", "% of bw", "speedup"]
+
+
+def rows(bandwidth_gbs: float | None = None) -> list[list]:
+    import decodex  # noqa: F401
+
+    bw = bandwidth_gbs or read_bandwidth_gbs()
+    out = []
+    for B, V, dtype in SHAPES:
+        esize = torch.finfo(dtype).bits // 8
+        nbytes = B * V * esize
+        n = copies_for(nbytes)
+        logits = [torch.randn(B, V, device="cuda").to(dtype) for _ in range(n)]
+        outs = [torch.empty(B, dtype=torch.int64, device="cuda") for _ in range(n)]
+        ours = time_graph([lambda i=i: torch.ops.decodex.argmax(logits[i], outs[i]) for i in range(n)])
+        base = time_graph([lambda i=i: torch.argmax(logits[i], dim=-1) for i in range(n)])
+        gbs = nbytes / ours / 1e3
+        name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        out.append([f"B={B} V={V} {name}", ours, base, gbs, 100 * gbs / bw, base / ours])
+        del logits, outs
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> None:
+    bw = read_bandwidth_gbs()
+    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
+    print_table(TITLE, HEADERS, rows(bw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""End-to-end decode benchmark: decodex's CUDA-graph runner against Hugging Face transformers, at the
+real shapes of Qwen2.5-1.5B and Qwen2.5-7B with random weights (no checkpoint file: weights are drawn
+on the GPU), on the H200.
+
+Per case (batch, context):
+  decodex GPU ms   median of graph replays queued back to back (CUDA events between replays)
+  decodex wall ms  per step in the real host loop (CudaGraphRunner.run_loaded: async token ring,
+                   host-side stop checks), 128 steps
+  tok/s            batch * 1000 / wall ms
+  floor ms         (weight bytes + KV bytes read) / the read bandwidth measured in this run
+  % of floor       floor / GPU ms
+  HF eager ms      transformers, DynamicCache holding `context` random tokens, per-step CUDA events
+  HF compiled ms   transformers, StaticCache(max_cache_len = context + 16) + torch.compile(
+                   mode="reduce-overhead"), decode step at cache_position = context
+The KV cache holds random K/V for `context` tokens and the rows sit at that position, so attention
+reads the whole context; nothing is prefilled (no 32K-token prefill needed).
+
+  python -m bench.decode                  # both models, all cases, HF included (~6 min)
+  python -m bench.decode --quick          # 1.5B, 3 cases, no HF
+  python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
+  python -m bench.decode --profile        # per-kernel breakdown of one 1.5B step at 1K and 32K
+torch.compile takes tens of seconds per shape: compiled cases run in priority order until
+--hf-compile-budget-s is spent; the rest print "skipped (budget)".
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from bench.common import print_table, read_bandwidth_gbs
+
+MODELS = {
+    "1.5b": dict(name="Qwen2.5-1.5B", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(name="Qwen2.5-7B", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
+              max_position_embeddings=131072, bos_token_id=None, eos_token_id=[])
+# (batch, context), in the order HF's compiled cases run when the budget is short.
+CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024)]
+QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
+GPU_STEPS = 100  # replays timed for "GPU ms"
+WALL_STEPS = 128  # steps of the host loop for "wall ms"
+HF_STEPS = 10
+
+HEADERS = ["model", "batch", "context", "decodex GPU ms", "decodex wall ms", "tok/s", "floor ms",
+           "% of floor", "HF eager ms", "HF compiled ms", "compiled / decodex"]
+
+
+# ---- decodex ---------------------------------------------------------------------------------------
+
+def config_dict(key: str) -> dict:
+    raw = dict(COMMON, **{k: v for k, v in MODELS[key].items() if k != "name"})
+    raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    return raw
+
+
+def build_decodex(key: str):
+    """A decodex Model with random bf16 weights drawn on the GPU (std 1/sqrt(fan_in) for matrices)."""
+    from decodex.config import ModelConfig
+    from decodex.model import Model
+
+    cfg = ModelConfig.from_dict(config_dict(key), source=f"<bench {key}>")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = {}
+    for name, shape in cfg.weight_shapes().items():
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        if name.endswith("norm.weight"):
+            t.normal_(1.0, 0.1, generator=g)
+        elif name.endswith("bias"):
+            t.normal_(0.0, 0.02, generator=g)
+        elif "embed_tokens" in name:
+            t.normal_(0.0, 1.0, generator=g)
+        else:
+            t.normal_(0.0, shape[-1] ** -0.5, generator=g)
+        weights[name] = t
+    model = Model(cfg, weights, "cuda", torch.bfloat16)
+    del weights
+    torch.cuda.empty_cache()
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads (the LM head once even when tied)."""
+    total = model.final_norm.numel() + model.lm_head.numel()
+    for layer in model.layers:
+        for t in (layer.input_norm, layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.post_norm,
+                  layer.gate_up_w, layer.down_w):
+            if t is not None:
+                total += t.numel()
+    return 2 * total
+
+
+def kv_bytes(model, batch: int, context: int) -> int:
+    c = model.config
+    return 2 * batch * c.num_hidden_layers * 2 * c.num_key_value_heads * (context + 1) * c.head_dim
+
+
+def make_runner(model, batch: int, context: int):
+    """A runner whose rows 0..batch-1 sit at `context` over a cache of random K/V."""
+    from decodex.engine import CudaGraphRunner
+
+    capacity = context + max(GPU_STEPS + 10, WALL_STEPS) + 16
+    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity)
+    runner.eos_ids = set()  # random weights: never stop early
+    for t in runner.cache.k + runner.cache.v:
+        t.normal_()
+    return runner
+
+
+def load_rows(runner, batch: int, context: int):
+    V = runner.config.vocab_size
+    tokens = torch.randint(0, V, (batch,)).tolist()
+    runner.reset()
+    for r in range(batch):
+        runner.load_row(r, context, tokens[r])
+    return tokens
+
+
+def decodex_case(model, batch: int, context: int) -> dict:
+    runner = make_runner(model, batch, context)
+    load_rows(runner, batch, context)
+    n = runner.capture(batch)
+    gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS))
+    # The real loop: run_loaded from the same starting point, tokens streamed to the host.
+    tokens = load_rows(runner, batch, context)
+    for _ in runner.run_loaded([context] * batch, tokens, [None] * batch, [WALL_STEPS + 1] * batch):
+        pass
+    assert runner.stats.decode_steps == WALL_STEPS, runner.stats
+    wall_ms = runner.stats.ms_per_step()
+    plan = {name: v for (m, name), v in runner.linear_plan.items() if m == n}
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(gpu_ms=gpu_ms, wall_ms=wall_ms, plan=plan)
+
+
+def time_to_first_token(model, prompt_len: int = 1024) -> float:
+    """ms from run() to the first token of a prompt of `prompt_len` random tokens (prefill path)."""
+    from decodex.engine import CudaGraphRunner
+
+    runner = CudaGraphRunner(model, max_batch=1, capacity=prompt_len + 16)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
+    for _ in runner.run([prompt], [None], [1]):  # warm-up (cuBLAS / SDPA first calls)
+        pass
+    times = []
+    for _ in range(5):
+        for _ in runner.run([prompt], [None], [1]):
+            pass
+        times.append(runner.stats.ttft_s[0] * 1000.0)
+    del runner
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+# ---- profile ---------------------------------------------------------------------------------------
+
+def profile_step(model, context: int, reps: int = 3) -> None:
+    """Per-kernel device time of one graph step (batch 1), from torch.profiler over `reps` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = make_runner(model, 1, context)
+    load_rows(runner, 1, context)
+    n = runner.capture(1)
+    step_ms = statistics.median(runner.time_steps(n, steps=20))
+    per_kernel, how = {}, "graph replay"
+    for mode in ("graph", "eager"):
+        load_rows(runner, 1, context)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                runner.step(n) if mode == "graph" else runner.eager_step(n)
+            torch.cuda.synchronize()
+        for e in prof.events():
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.elapsed_us() > 0:
+                slot = per_kernel.setdefault(e.name, [0, 0.0])
+                slot[0] += 1
+                slot[1] += e.time_range.elapsed_us()
+        if per_kernel:
+            break
+        how = "eager step (the profiler saw no kernels inside the graph replay)"
+    total_us = sum(v[1] for v in per_kernel.values()) / reps
+    rows = []
+    for name, (calls, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
+        short = name if len(name) <= 90 else name[:87] + "..."
+        rows.append([short, calls // reps, us / reps, 100.0 * us / reps / (step_ms * 1000.0)])
+    rows.append(["(sum of kernels)", "", total_us, 100.0 * total_us / (step_ms * 1000.0)])
+    rows.append(["(graph step, CUDA events)", "", step_ms * 1000.0, 100.0])
+    name = MODELS_BY_HIDDEN.get(model.config.hidden_size, "model")
+    print_table(f"{name} step at context {context}, batch 1: kernels ({how})",
+                ["kernel", "calls/step", "us/step", "% of step"], rows)
+    del runner
+    torch.cuda.empty_cache()
+
+
+MODELS_BY_HIDDEN = {v["hidden_size"]: v["name"] for v in MODELS.values()}
+
+
+# ---- Hugging Face ----------------------------------------------------------------------------------
+
+def build_hf(key: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    raw = config_dict(key)
+    cfg = Qwen2Config(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                      intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+                      num_attention_heads=raw["num_attention_heads"],
+                      num_key_value_heads=raw["num_key_value_heads"],
+                      max_position_embeddings=raw["max_position_embeddings"], rope_theta=raw["rope_theta"],
+                      rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
+                      use_cache=True)
+    cfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval(), cfg
+
+
+def _events_ms(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hf_eager(model, cfg, batch: int, context: int) -> float:
+    """ms per decode step of the eager model over a DynamicCache holding `context` random tokens."""
+    from transformers import DynamicCache
+
+    D = cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    for i in range(cfg.num_hidden_layers):
+        shape = (batch, cfg.num_key_value_heads, context, D)
+        cache.update(torch.randn(shape, dtype=torch.bfloat16, device="cuda"),
+                     torch.randn(shape, dtype=torch.bfloat16, device="cuda"), i)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda")
+    pos = [context]
+
+    def step():
+        model(input_ids=ids, past_key_values=cache, cache_position=torch.tensor(pos, device="cuda"),
+              use_cache=True)
+        pos[0] += 1
+
+    with torch.no_grad():
+        ms = _events_ms(step, HF_STEPS, warmup=3)
+    del cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+def hf_compiled(model, cfg, batch: int, context: int) -> float:
+    """ms per decode step of torch.compile(mode="reduce-overhead") over a StaticCache."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=cfg, max_cache_len=context + 16)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda")
+    pos = torch.tensor([context], device="cuda")
+
+    def step(ids, pos):
+        return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    with torch.no_grad():
+        step(ids, pos)  # eager: allocates the static cache tensors before compiling
+        compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
+        ms = _events_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
+    del cache, compiled
+    torch.cuda.empty_cache()
+    return ms
+
+
+def _err(e: BaseException) -> str:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    cases = []
+    for part in text.split(","):
+        b, c = part.lower().split("x")
+        cases.append((int(b), int(c.replace("k", "")) * (1024 if "k" in c else 1)))
+    return cases
+
+
+def rows(args=None) -> list[list]:
+    """Runs the benchmark; returns the table rows (also printed)."""
+    args = args or parse_args([])
+    bw = read_bandwidth_gbs()
+    print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
+    out_rows = []
+    compile_budget_left = args.hf_compile_budget_s
+    for mi, key in enumerate(args.models):
+        label = MODELS[key]["name"]
+        t0 = time.perf_counter()
+        model = build_decodex(key)
+        wbytes = weight_bytes(model)
+        print(f"{label}: {wbytes / 1e9:.2f} GB of weights read per step (built in "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        results = {}
+        for batch, context in args.cases:
+            try:
+                r = decodex_case(model, batch, context)
+                floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
+                r["floor_ms"] = floor
+                results[(batch, context)] = r
+                extra = f", linears for {batch} rows: {r['plan']}" if r["plan"] else ""
+                print(f"  {label} b{batch} ctx{context}: GPU {r['gpu_ms']:.3f} ms, wall {r['wall_ms']:.3f} ms, "
+                      f"floor {floor:.3f} ms{extra}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+                traceback.print_exc()
+                results[(batch, context)] = dict(error=_err(e))
+        try:
+            print(f"  {label}: time to first token, 1024-token prompt: {time_to_first_token(model):.1f} ms",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {label}: time to first token failed: {_err(e)}")
+        if args.profile and key == "1.5b":
+            for context in (1024, 32768):
+                try:
+                    profile_step(model, context)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    print(f"profile at {context} failed: {_err(e)}")
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+        hf = {case: {} for case in args.cases}
+        if args.hf:
+            try:
+                hf_model, cfg = build_hf(key)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                hf_model, cfg = None, None
+                for case in args.cases:
+                    hf[case] = dict(eager=_err(e), compiled=_err(e))
+            if hf_model is not None:
+                for case in args.cases:
+                    try:
+                        hf[case]["eager"] = hf_eager(hf_model, cfg, *case)
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        hf[case]["eager"] = _err(e)
+                # This model's share of what is left of the compile budget.
+                share = compile_budget_left / (len(args.models) - mi)
+                spent = 0.0
+                for case in args.cases:  # CASES order = priority order
+                    if not args.compile:
+                        hf[case]["compiled"] = "skipped (--no-compile)"
+                        continue
+                    if spent >= share:
+                        hf[case]["compiled"] = "skipped (budget)"
+                        continue
+                    t = time.perf_counter()
+                    try:
+                        hf[case]["compiled"] = hf_compiled(hf_model, cfg, *case)
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        hf[case]["compiled"] = _err(e)
+                    took = time.perf_counter() - t
+                    spent += took
+                    print(f"  HF compiled {label} b{case[0]} ctx{case[1]}: {hf[case]['compiled']} "
+                          f"(compile + timing {took:.0f} s)", flush=True)
+                compile_budget_left -= spent
+                torch._dynamo.reset()
+                del hf_model
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        for batch, context in args.cases:
+            r, h = results[(batch, context)], hf[(batch, context)]
+            eager, comp = h.get("eager", "-"), h.get("compiled", "-")
+            if "error" in r:
+                out_rows.append([label, batch, context, r["error"], "", "", "", "", eager, comp, ""])
+                continue
+            ratio = f"{comp / r['gpu_ms']:.2f}x" if isinstance(comp, float) else ""
+            out_rows.append([label, batch, context, r["gpu_ms"], r["wall_ms"], batch * 1000.0 / r["wall_ms"],
+                             r["floor_ms"], 100.0 * r["floor_ms"] / r["gpu_ms"], eager, comp, ratio])
+    print_table(f"decode step, random weights at real shapes (read bandwidth {bw:.0f} GB/s)", HEADERS, out_rows,
+                file=args.out)
+    return out_rows
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="1.5b,7b", help="comma list of: " + ", ".join(MODELS))
+    p.add_argument("--cases", default=None, help="comma list of BATCHxCONTEXT, e.g. 1x1024,1x32k,64x1k")
+    p.add_argument("--quick", action="store_true", help="1.5B, 3 cases, no HF")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip transformers+torch.compile")
+    p.add_argument("--hf-compile-budget-s", type=float, default=200.0,
+                   help="seconds for torch.compile cases over all models (default 200)")
+    p.add_argument("--profile", action="store_true", help="per-kernel breakdown of a 1.5B step at 1K and 32K")
+    p.add_argument("--out", default=None, help="append the table (markdown) to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.hf = "1.5b", False
+        args.cases = args.cases or ",".join(f"{b}x{c}" for b, c in QUICK_CASES)
+    args.models = [m.strip().lower() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.cases = parse_cases(args.cases) if args.cases else list(CASES)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench.decode needs a CUDA GPU")
+    t0 = time.perf_counter()
+    rows(args)
+    print(f"bench.decode took {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""decode_attention vs torch SDPA at batch 1, head dim 128, H = 6 * Hkv (Qwen2.5-1.5B's ratio).
+
+Bytes moved: the K and V rows read, 2 * len * Hkv * D * 2 bytes (q, the partials and the output are
+noise next to them). Both ops run L2-cold in one CUDA graph over a rotating stack of caches
+(bench.common.copies_for), in the same run; the baseline is F.scaled_dot_product_attention with
+enable_gqa=True on q [1, H, 1, D] and the [1, Hkv, len, D] caches. % of bw is against the read
+bandwidth measured in this run.
+
+    python -m bench.decode_attention
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+
+CONTEXTS = [1024, 8192, 32768, 131072]
+KV_HEADS = [2, 4, 8]
+HEAD_DIM = 128
+GROUP = 6  # query heads per KV head
+
+TITLE = "decode_attention (batch 1, D 128, H = 6 Hkv, L2-cold)"
+HEADERS = ["shape", "decodex us", "SDPA us", "cache MB", "GB/s", "% of bw", "vs SDPA"]
+
+
+def _row(ctx: int, kv_heads: int, bw_gbs: float) -> list:
+    H, D = GROUP * kv_heads, HEAD_DIM
+    cache_bytes = 2 * ctx * kv_heads * D * 2
+    n = copies_for(cache_bytes)
+    dev, bf16 = "cuda", torch.bfloat16
+    qs = [torch.randn(1, H, D, device=dev, dtype=bf16) for _ in range(n)]
+    ks = [torch.randn(1, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    vs = [torch.randn(1, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    lengths = torch.full((1,), ctx, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    splits = torch.ops.decodex.decode_attention_splits(1, kv_heads, ctx, sms)
+    ws = torch.empty(1, H, splits, D + 2, device=dev, dtype=torch.float32)
+    out = torch.empty(1, H, D, device=dev, dtype=bf16)
+    scale = 1.0 / math.sqrt(D)
+
+    def ours(i):
+        return lambda: torch.ops.decodex.decode_attention(qs[i], ks[i], vs[i], lengths, scale, ws, out)
+
+    def sdpa(i):
+        return lambda: F.scaled_dot_product_attention(qs[i].unsqueeze(2), ks[i], vs[i], scale=scale,
+                                                      enable_gqa=True)
+
+    # Sanity: the two agree before either is timed.
+    ours(0)()
+    want = sdpa(0)().squeeze(2)
+    if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+        print(f"WARNING: decodex and SDPA disagree at ctx {ctx}, Hkv {kv_heads}: max diff "
+              f"{(out.float() - want.float()).abs().max().item():.3g}")
+
+    us = time_graph([ours(i) for i in range(n)])
+    sdpa_us = time_graph([sdpa(i) for i in range(n)])
+    gbs = cache_bytes / us / 1e3
+    del qs, ks, vs
+    torch.cuda.empty_cache()
+    return [f"ctx {ctx} Hkv {kv_heads} H {H}", us, sdpa_us, cache_bytes / 1e6, gbs,
+            100.0 * gbs / bw_gbs, f"{sdpa_us / us:.2f}x"]
+
+
+def rows(bw_gbs: float | None = None) -> list[list]:
+    import decodex  # noqa: F401  (registers torch.ops.decodex)
+
+    if bw_gbs is None:
+        bw_gbs = read_bandwidth_gbs()
+    return [_row(ctx, kv, bw_gbs) for kv in KV_HEADS for ctx in CONTEXTS]
+
+
+def main() -> None:
+    bw = read_bandwidth_gbs()
+    print_table(f"{TITLE}; measured read bandwidth {bw:.0f} GB/s", HEADERS, rows(bw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""decodex::gemv against cuBLAS (F.linear) at the Qwen2.5-1.5B and -7B decode shapes, M = 1, 2, 4, 8.
+
+L2-cold: one weight copy per call in a stack larger than the L2 (bench.common.copies_for, capped at
+MAX_STACK_BYTES), every call captured in one CUDA graph; both sides time the same stack in the same
+run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the same run.
+
+    python -m bench.gemv                       # the table
+    python -m bench.gemv --sweep [--only 7B]   # tuning: every kernel configuration per shape
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+
+# (model, name, N, K): weight [N, K].
+SHAPES = [
+    ("1.5B", "q", 1536, 1536),
+    ("1.5B", "k", 256, 1536),
+    ("1.5B", "v", 256, 1536),
+    ("1.5B", "qkv", 2048, 1536),
+    ("1.5B", "o", 1536, 1536),
+    ("1.5B", "gate|up", 17920, 1536),
+    ("1.5B", "down", 1536, 8960),
+    ("1.5B", "lm_head", 151936, 1536),
+    ("7B", "q", 3584, 3584),
+    ("7B", "k", 512, 3584),
+    ("7B", "v", 512, 3584),
+    ("7B", "qkv", 4608, 3584),
+    ("7B", "o", 3584, 3584),
+    ("7B", "gate|up", 37888, 3584),
+    ("7B", "down", 3584, 18944),
+    ("7B", "lm_head", 152064, 3584),
+]
+MS = [1, 2, 4, 8]
+MAX_STACK_BYTES = 3 << 30  # the two lm_heads would otherwise stack 4 GB copies
+TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
+HEADERS = ["shape", "weight MB", "decodex us", "cuBLAS us", "GB/s", "% of bw", "speedup"]
+ENV = "DECODEX_GEMV_CONFIG"
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(copies_for(nbytes), MAX_STACK_BYTES // nbytes))
+
+
+def _stack(N: int, K: int):
+    return [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(2 * N * K))]
+
+
+def _time_ours(weights, M: int, reps: int = 30) -> float:
+    K = weights[0].shape[1]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
+    outs = [torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    calls = [lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i]) for i in range(len(weights))]
+    return time_graph(calls, reps=reps)
+
+
+def _time_cublas(weights, M: int) -> float:
+    K = weights[0].shape[1]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
+    return time_graph([lambda i=i: F.linear(xs[i], weights[i]) for i in range(len(weights))])
+
+
+def rows(bandwidth_gbs: float | None = None) -> list[list]:
+    import decodex  # noqa: F401  (registers torch.ops.decodex)
+
+    bw = bandwidth_gbs or read_bandwidth_gbs()
+    out = []
+    for model, name, N, K in SHAPES:
+        weights = _stack(N, K)
+        for M in MS:
+            ours, cublas = _time_ours(weights, M), _time_cublas(weights, M)
+            nbytes = 2 * (N * K + M * K + M * N)
+            gbs = nbytes / ours / 1e3
+            out.append([f"{model} {name} {N}x{K} M={M}", 2 * N * K / 1e6, ours, cublas, gbs,
+                        100 * gbs / bw, cublas / ours])
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+def _configs(N: int, K: int, clusters: bool):
+    """Every (wr, wk, c, u) the kernel takes whose k-ranges all get at least one k-step."""
+    ksteps = -(-K // 32)
+    for c in (1, 2, 4, 8) if clusters else (1,):
+        for u in (4, 8):
+            for wk in range(1, 9):
+                for wr in (1, 2, 4, 8):
+                    if wr * wk <= 8 and wk * c <= ksteps and wr <= -(-N // 16):
+                        yield f"{wr},{wk},{c},{u}"
+
+
+def sweep(only: str | None = None, ms=(1, 8)) -> None:
+    """Per shape and M: the heuristic's time, then the best configurations found."""
+    import decodex  # noqa: F401
+
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    bw = read_bandwidth_gbs()
+    for model, name, N, K in SHAPES:
+        label = f"{model} {name} {N}x{K}"
+        if only and only not in label:
+            continue
+        if name in ("v", "o"):  # same shapes as k and q
+            continue
+        weights = _stack(N, K)
+        for M in ms:
+            os.environ.pop(ENV, None)
+            default = _time_ours(weights, M, reps=10)
+            results = []
+            for cfg in _configs(N, K, clusters):
+                os.environ[ENV] = cfg
+                results.append((_time_ours(weights, M, reps=10), cfg))
+            os.environ.pop(ENV, None)
+            results.sort()
+            floor = 2 * N * K / bw / 1e3
+            best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
+            print(f"{label} M={M}: floor {floor:.2f} us, heuristic {default:.2f} us, "
+                  f"best (wr,wk,c,u us): {best}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
+    p.add_argument("--only", help="sweep only shapes whose label contains this, e.g. '7B' or 'down'")
+    args = p.parse_args(argv)
+    if args.sweep:
+        sweep(args.only)
+        return
+    bw = read_bandwidth_gbs()
+    print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
+    print_table(TITLE, HEADERS, rows(bw))
+
+
+if __name__ == "__main__":
+    main()

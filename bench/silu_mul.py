@@ -1,0 +1,53 @@
+"""decodex::silu_mul against F.silu(gate) * up (PyTorch, two kernels) at the Qwen2.5-1.5B and -7B
+intermediate sizes. M = 1 is the decode step (latency-bound), M = 3000 a prefill-sized call.
+
+Timing: one (gate_up, out) set per call in a stack of up to 512 sets, every call captured in one
+CUDA graph (bench.common). Bytes moved: gate_up read + out written; % is of the bandwidth measured
+in the same run.
+
+Note: bench.common.copies_for caps the stack at 512 sets, so where one set is a few KB (M = 1) the
+stack stays below the 60 MB L2 and those rows measure an L2-warm, latency-bound call (launch, one
+round trip, the reduction) rather than DRAM bandwidth.
+
+    python -m bench.silu_mul
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+
+SHAPES = [(1, 8960), (1, 18944), (8, 18944), (3000, 8960), (3000, 18944)]  # (M, I)
+TITLE = "silu_mul: decodex vs F.silu(g) * u, L2-cold, CUDA graph, median"
+HEADERS = ["shape", "decodex us", "torch us", "GB/s", "% of bw", "speedup"]
+
+
+def rows(bandwidth_gbs: float | None = None) -> list[list]:
+    import decodex  # noqa: F401
+
+    bw = bandwidth_gbs or read_bandwidth_gbs()
+    out = []
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for M, I in SHAPES:
+        nbytes = 2 * (M * 2 * I + M * I)
+        n = copies_for(nbytes)
+        gus = [torch.randn(M, 2 * I, **bf) for _ in range(n)]
+        outs = [torch.empty(M, I, **bf) for _ in range(n)]
+        ours = time_graph([lambda i=i: torch.ops.decodex.silu_mul(gus[i], outs[i]) for i in range(n)])
+        base = time_graph([lambda i=i: F.silu(gus[i][:, :I]) * gus[i][:, I:] for i in range(n)])
+        gbs = nbytes / ours / 1e3
+        out.append([f"M={M} I={I}", ours, base, gbs, 100 * gbs / bw, base / ours])
+        del gus, outs
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> None:
+    bw = read_bandwidth_gbs()
+    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
+    print_table(TITLE, HEADERS, rows(bw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,545 @@
+// decode_attention: one query token per sequence against a bf16 KV cache, split over the KV length
+// (flash-decoding), for head dims 64 and 128 and any GQA group.
+//
+// Idea. Decode attention reads each cache row once and does ~2 * group FLOPs per byte, so it is a
+// pure bandwidth problem, but with GQA (6-8 query heads per KV head) the per-token work is too much
+// for scalar FMAs plus warp shuffles at 4 TB/s. So both products run on tensor cores (mma.sync
+// m16n8k16, bf16 in, fp32 accumulate) in the "swapped" orientation that suits a handful of heads:
+//   S^T [16 tokens x 8 heads] = K_tile [16 x D] . Q^T [D x 8]
+//   O^T [D x 8 heads]        += V_tile^T [D x 16] . P^T [16 x 8]
+// The 8 head columns hold the query heads of one KV head (padded with zero queries), so every K and
+// V row is read once for its whole group. Fragments are loaded straight from global memory with
+// 16-byte loads, no shared-memory staging:
+//   - a dot product does not care in which order the head dim is summed, so K (the A operand) and
+//     Q (the B operand) are loaded with the SAME permutation of the head dim that makes each lane's
+//     16-byte chunk of a K row exactly its A-fragment words;
+//   - for P.V the head dim is the M index (any permutation, undone when the result is written) and
+//     the tokens are K; a lane loads 16 bytes of 4 token rows and pairs them with byte permutes into
+//     A-fragment words; P^T comes from the S^T accumulator through one movmatrix transpose per 8x8.
+// Each warp walks 16-token tiles of its split with an online softmax in fp32, keeping the next
+// tile's K and V loads in flight (two register buffers) while it computes the current one. The warps
+// of a block are merged through shared memory into one partial (o, m, l) per (b, head, split) in
+// the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. That kernel
+// is launched with programmatic dependent launch so its launch overlaps the first kernel's tail (it
+// executes griddepcontrol.wait before it reads anything).
+// Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
+// mostly from L2); real models have 1-8.
+//
+// Precision: scores are exact bf16 products summed in fp32. exp(x * scale) is computed as
+// exp2f(x * scale * log2(e)): exp2f is accurate to 2 ulp and folding the constant costs one fp32
+// rounding of the exponent (relative 6e-8, i.e. ~1e-6 absolute on exponents ~20): far below bf16.
+// P is rounded to bf16 for the tensor-core P.V product, as flash attention does, and l sums those
+// rounded weights so they sum exactly to l. Output rounding to bf16 dominates the error.
+//
+// Lengths are read on the device; the split layout depends only on the cache capacity, so one CUDA
+// graph stays valid while the lengths grow. A split past lengths[b] reads nothing and writes an
+// empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths are clamped to [0, S].
+// Fragments are 32-bit words, so 16-byte chunks are held as uint4 rather than common.h's bf16x8.
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "common.h"
+#include "ops.h"
+
+namespace decodex {
+
+namespace {
+
+constexpr int kWarps = 4;                  // warps per split block
+constexpr int kTile = 16;                  // tokens per warp per step (the mma M/K extent)
+constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N extent)
+constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
+constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks (2 blocks fit an SM)
+constexpr int kMaxSplits = 1024;           // bounds the combine kernel's shared weights
+constexpr int kCombineThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
+}
+
+// 16 bytes from global memory, or zeros when `ok` is false (no load issued). A predicated load
+// rather than a branch; read-only path, not kept in L1 (each cache row is read once).
+__device__ __forceinline__ uint4 load16_or_zero(const __nv_bfloat16* p, bool ok) {
+  uint4 r;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "r"(static_cast<int>(ok)));
+  return r;
+}
+
+// d += A[16x16] . B[16x8], bf16 operands, fp32 accumulators (PTX fragment layouts).
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane l: row l/4, cols
+// 2*(l%4), +1).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// One warp's 16-token tile in registers. Lane (g = lane/4, t = lane%4):
+//   k[r][c]: token g + 8r of the tile, head dims [32c + 8t, +8)
+//   v[i][h]: token 2t + (i&1) + 8(i>>1) of the tile, head dims [64h + 8g, +8)
+template <int D>
+struct KVTile {
+  uint4 k[2][D / 32];
+  uint4 v[4][D / 64];
+};
+
+template <int D>
+__device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* k_rows,
+                                          const __nv_bfloat16* v_rows, int base, int end, int g,
+                                          int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int tok = base + g + 8 * r;
+    const bool ok = tok < end;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c)
+      tile.k[r][c] = load16_or_zero(k_rows + (int64_t)tok * D + 32 * c + 8 * t, ok);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = base + 2 * t + (i & 1) + 8 * (i >> 1);
+    const bool ok = tok < end;
+#pragma unroll
+    for (int h = 0; h < D / 64; ++h)
+      tile.v[i][h] = load16_or_zero(v_rows + (int64_t)tok * D + 64 * h + 8 * g, ok);
+  }
+}
+
+// One 16-token tile (tokens base .. base+15, those >= end masked) into the running softmax state of
+// heads 2t, 2t+1: m (max, log2 units), this lane's share of l, and the O^T accumulators.
+template <int D>
+__device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (&qf)[D / 32], int base,
+                                            int end, int g, float scale_log2, float (&o)[D / 16][4],
+                                            float& m0, float& m1, float& l0, float& l1) {
+  // S^T = K . Q^T: k-step 2c + s uses words 2s, 2s+1 of the lane's 16-byte chunks.
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk >> 1, w = (kk & 1) * 2;
+    mma_16816(s, word(tile.k[0][c], w), word(tile.k[1][c], w), word(tile.k[0][c], w + 1),
+              word(tile.k[1][c], w + 1), word(qf[c], w), word(qf[c], w + 1));
+  }
+  // s[0], s[1]: token g, heads 2t, 2t+1; s[2], s[3]: token g + 8. Padded tokens -> -inf.
+  const bool ok_lo = base + g < end, ok_hi = base + g + 8 < end;
+  const float x0 = ok_lo ? s[0] * scale_log2 : -INFINITY;
+  const float x1 = ok_lo ? s[1] * scale_log2 : -INFINITY;
+  const float x2 = ok_hi ? s[2] * scale_log2 : -INFINITY;
+  const float x3 = ok_hi ? s[3] * scale_log2 : -INFINITY;
+  // Tile max per head over the 8 lanes that share t (lane bits 2..4). Token `base` is valid, so
+  // the max is finite and exp2(m_old - m_new) is 0 on the first tile (m_old = -inf).
+  float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float corr0 = exp2f(m0 - mn0), corr1 = exp2f(m1 - mn1);
+  m0 = mn0;
+  m1 = mn1;
+  // P in bf16 (the P.V operand); l sums the rounded values so the weights sum to exactly l.
+  const __nv_bfloat162 p_lo = __floats2bfloat162_rn(exp2f(x0 - mn0), exp2f(x1 - mn1));
+  const __nv_bfloat162 p_hi = __floats2bfloat162_rn(exp2f(x2 - mn0), exp2f(x3 - mn1));
+  const float2 f_lo = __bfloat1622float2(p_lo), f_hi = __bfloat1622float2(p_hi);
+  l0 = l0 * corr0 + f_lo.x + f_hi.x;
+  l1 = l1 * corr1 + f_lo.y + f_hi.y;
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    o[i][0] *= corr0;
+    o[i][1] *= corr1;
+    o[i][2] *= corr0;
+    o[i][3] *= corr1;
+  }
+  // P^T [16 tokens x 8 heads] as the B operand: transpose the two 8x8 halves of S^T's layout.
+  const uint32_t pb0 = movmatrix_trans(bf162_bits(p_lo));  // tokens 2t, 2t+1, head g
+  const uint32_t pb1 = movmatrix_trans(bf162_bits(p_hi));  // tokens 2t+8, 2t+9, head g
+
+  // O^T += V^T . P^T. A-fragment words pair two tokens of one dim: low halves are the even dims.
+#pragma unroll
+  for (int h = 0; h < D / 64; ++h) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t v0 = word(tile.v[0][h], p), v1 = word(tile.v[1][h], p);
+      const uint32_t v2 = word(tile.v[2][h], p), v3 = word(tile.v[3][h], p);
+      mma_16816(o[h * 4 + p], __byte_perm(v0, v1, 0x5410), __byte_perm(v0, v1, 0x7632),
+                __byte_perm(v2, v3, 0x5410), __byte_perm(v2, v3, 0x7632), pb0, pb1);
+    }
+  }
+}
+
+// Phase 1: grid (splits, Hkv * head_blocks, B), kWarps warps. Block (split, kvh/hb, b) attends the
+// query heads [8hb, 8hb + 8) of KV head kvh's group over tokens [split*chunk, +chunk) ∩ [0, len)
+// and writes, per head, the unnormalised o[D], the running max m (log2 units) and the sum l.
+template <int D>
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
+    const __nv_bfloat16* __restrict__ q,        // [B, H, D], batch stride q_bstride
+    const __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], batch stride k_bstride
+    const __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], batch stride v_bstride
+    const int* __restrict__ lengths,            // [B]
+    float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
+    int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
+    int S, int chunk, int splits_cap, float scale_log2) {
+  // Let the combine kernel launch now; it waits for this grid to finish before reading.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
+  const int b = blockIdx.z;
+  const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
+  const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
+  const int len = min(max(lengths[b], 0), S);
+  const int start = split * chunk;
+  const int end = min(start + chunk, len);
+  const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head
+  float* ws = workspace + ((int64_t)b * H + head0) * head_stride_ws + (int64_t)split * (D + 2);
+
+  if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
+    if (threadIdx.x < heads) {
+      float* row = ws + threadIdx.x * head_stride_ws;
+      row[D] = -INFINITY;
+      row[D + 1] = 0.f;
+    }
+    return;
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+
+  // Q^T as the B operand, head dim permuted like K's: lane holds head g's dims [32c + 8t, +8).
+  uint4 qf[D / 32];
+  {
+    const bool live = g < heads;
+    const __nv_bfloat16* q_row = q + (int64_t)b * q_bstride + (int64_t)(head0 + (live ? g : 0)) * D;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) qf[c] = load16_or_zero(q_row + 32 * c + 8 * t, live);
+  }
+
+  const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
+  const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
+
+  // O^T accumulators: m-block (h, p) row g -> dim 64h + 8g + 2p, row g + 8 -> that dim + 1;
+  // columns 2t, 2t+1 -> heads 2t, 2t+1. So o[h*4+p][0|2] is head 2t, o[h*4+p][1|3] head 2t+1.
+  float o[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2t, 2t+1 (log2 units)
+  float l0 = 0.f, l1 = 0.f;              // this lane's share of their running sums
+
+  // Two register buffers, alternately filled and consumed (written out twice rather than copied,
+  // so the loads of one tile stay in flight while the other is computed).
+  constexpr int kStep = kWarps * kTile;
+  int base = start + warp * kTile;
+  KVTile<D> buf0, buf1;
+  load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
+  while (base < end) {
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
+    attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+    base += kStep;
+    if (base >= end) break;
+    load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
+    attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+    base += kStep;
+  }
+
+  // The lane's share of l -> the whole warp's (m is already the same on the 8 lanes of a t).
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+
+  // Merge the warps: each puts (m, l, o) per head in shared memory.
+  __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+  __shared__ __align__(16) float sm_o[kWarps][kHeadsPerBlock][D];
+  if (g == 0) {
+    sm_m[warp][2 * t] = m0;
+    sm_m[warp][2 * t + 1] = m1;
+    sm_l[warp][2 * t] = l0;
+    sm_l[warp][2 * t + 1] = l1;
+  }
+#pragma unroll
+  for (int h = 0; h < D / 64; ++h) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int dim = 64 * h + 8 * g + 2 * p;
+      const float* a = o[h * 4 + p];
+      *reinterpret_cast<float2*>(&sm_o[warp][2 * t][dim]) = make_float2(a[0], a[2]);
+      *reinterpret_cast<float2*>(&sm_o[warp][2 * t + 1][dim]) = make_float2(a[1], a[3]);
+    }
+  }
+  __syncthreads();
+
+  // A warp with no tile has m = -inf, l = 0, o = 0: weight exp2(-inf) = 0. Warp 0 always has one
+  // (its first tile starts at `start` < end), so the block max M is finite.
+  for (int item = threadIdx.x; item < heads * (D / 2); item += kWarps * 32) {
+    const int j = item / (D / 2), d2 = item % (D / 2);
+    float M = sm_m[0][j];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_m[w][j]);
+    float2 acc = make_float2(0.f, 0.f);
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = exp2f(sm_m[w][j] - M);
+      const float2 v = *reinterpret_cast<const float2*>(&sm_o[w][j][2 * d2]);
+      acc.x += wt * v.x;
+      acc.y += wt * v.y;
+      l += wt * sm_l[w][j];
+    }
+    float* row = ws + j * head_stride_ws;
+    *reinterpret_cast<float2*>(row + 2 * d2) = acc;
+    if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
+  }
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// Phase 2: grid (H, B, D / 32), kCombineThreads threads; block (head, b, slice) writes out[b, head,
+// 32*slice .. +32) = sum_s w_s o_s / sum_s w_s l_s with w_s = exp2(m_s - max m). Empty splits
+// (m = -inf) get weight 0 and their o (never written) is not loaded; all empty (length 0) -> zeros.
+// Two dependent passes over L2-resident partials: (m, l) of every split, one per thread, then the o
+// slice with each warp keeping several rows in flight.
+template <int D>
+__global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kernel(
+    const float* __restrict__ workspace,  // [B, H, splits_cap, D + 2]
+    __nv_bfloat16* __restrict__ out,      // [B, H, D]
+    int H, int splits, int splits_cap) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // phase 1 complete and visible
+#endif
+  constexpr int kPerThread = kMaxSplits / kCombineThreads;
+  constexpr int kCombineWarps = kCombineThreads / 32;
+  __shared__ float sm_w[kMaxSplits];
+  __shared__ float sm_red[32];
+  __shared__ float sm_acc[kCombineWarps][32];
+
+  const int head = blockIdx.x, b = blockIdx.y, dim = blockIdx.z * 32 + (threadIdx.x & 31);
+  const float* part = workspace + ((int64_t)b * H + head) * splits_cap * (D + 2);
+  __nv_bfloat16* out_row = out + ((int64_t)b * H + head) * D;
+
+  float m[kPerThread], l[kPerThread];
+  float M = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int s = threadIdx.x + i * kCombineThreads;
+    float2 ml = make_float2(-INFINITY, 0.f);
+    if (s < splits) ml = *reinterpret_cast<const float2*>(part + (int64_t)s * (D + 2) + D);
+    m[i] = ml.x;
+    l[i] = ml.y;
+    M = fmaxf(M, ml.x);
+  }
+  M = block_max(M, sm_red);
+  if (M == -INFINITY) {  // length 0: every split empty
+    if (threadIdx.x < 32) out_row[dim] = __float2bfloat16(0.f);
+    return;
+  }
+  float L = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int s = threadIdx.x + i * kCombineThreads;
+    const float w = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
+    if (s < splits) sm_w[s] = w;
+    if (w != 0.f) L += w * l[i];
+  }
+  L = block_sum(L, sm_red);  // its barriers also publish sm_w
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float acc = 0.f;
+#pragma unroll 8
+  for (int s = warp; s < splits; s += kCombineWarps) {
+    const float w = sm_w[s];
+    const float o = w != 0.f ? part[(int64_t)s * (D + 2) + dim] : 0.f;
+    acc += w * o;
+  }
+  sm_acc[warp][lane] = acc;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) sum += sm_acc[w][lane];
+    out_row[dim] = __float2bfloat16(sum / L);
+  }
+}
+
+}  // namespace
+
+// Splits from the cache capacity, never the live length (so a captured graph stays valid): as many
+// as fit B * Hkv * splits split blocks in one resident wave (kSplitBlocksPerSm per SM, i.e. 2x the
+// SM count: 8 warps per SM, each with two 16-token tiles of loads in flight), but no split shorter
+// than kMinSplitTokens (2 tiles per warp) so short caches are not cut into slivers whose partials
+// cost more than they save. Monotone non-decreasing in capacity, non-increasing in batch and KV
+// heads; 1 once the (b, kv head) pairs alone fill the GPU.
+int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
+                                int64_t sm_count) {
+  TORCH_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
+  TORCH_CHECK(num_kv_heads >= 1, "decode_attention_splits: num_kv_heads must be >= 1, got ",
+              num_kv_heads);
+  TORCH_CHECK(capacity >= 0, "decode_attention_splits: capacity must be >= 0, got ", capacity);
+  TORCH_CHECK(sm_count >= 1, "decode_attention_splits: sm_count must be >= 1, got ", sm_count);
+  const int64_t pairs = batch * num_kv_heads;
+  const int64_t fill = sm_count * kSplitBlocksPerSm / pairs;  // rounded down: one wave (group <= 8)
+  const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
+  return std::max<int64_t>(1, std::min<int64_t>({fill, by_length, kMaxSplits}));
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& lengths, double scale, at::Tensor& workspace,
+                      at::Tensor& out) {
+  DX_CHECK_CUDA(q);
+  DX_CHECK_CUDA(k_cache);
+  DX_CHECK_CUDA(v_cache);
+  DX_CHECK_CUDA(lengths);
+  DX_CHECK_CUDA(workspace);
+  DX_CHECK_CUDA(out);
+  DX_CHECK_SAME_DEVICE(q, k_cache);
+  DX_CHECK_SAME_DEVICE(q, v_cache);
+  DX_CHECK_SAME_DEVICE(q, lengths);
+  DX_CHECK_SAME_DEVICE(q, workspace);
+  DX_CHECK_SAME_DEVICE(q, out);
+  DX_CHECK_DTYPE(q, at::kBFloat16);
+  DX_CHECK_DTYPE(k_cache, at::kBFloat16);
+  DX_CHECK_DTYPE(v_cache, at::kBFloat16);
+  DX_CHECK_DTYPE(lengths, at::kInt);
+  DX_CHECK_DTYPE(workspace, at::kFloat);
+  DX_CHECK_DTYPE(out, at::kBFloat16);
+  DX_CHECK_DIM(q, 3);
+  DX_CHECK_DIM(k_cache, 4);
+  DX_CHECK_DIM(v_cache, 4);
+  DX_CHECK_DIM(lengths, 1);
+  DX_CHECK_DIM(workspace, 4);
+
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "decode_attention: head dim D = ", D,
+              " (q.size(2)) is not supported (supported: 64, 128)");
+  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(3) == D,
+              "k_cache must have shape [B, Hkv, S, D] with B = ", B, " and D = ", D, " (from q), got ",
+              k_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  DX_CHECK_SHAPE(v_cache, B, Hkv, S, D);
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, "decode_attention: the query heads H = ", H,
+              " (q.size(1)) must be a multiple of the KV heads Hkv = ", Hkv, " (k_cache.size(1))");
+  DX_CHECK_SHAPE(lengths, B);
+  DX_CHECK_SHAPE(out, B, H, D);
+  DX_CHECK_CONTIGUOUS(lengths);
+  DX_CHECK_CONTIGUOUS(out);
+  DX_CHECK_CONTIGUOUS(workspace);
+  TORCH_CHECK(S < (int64_t(1) << 30) && B <= 65535 && Hkv * ((H / Hkv + 7) / 8) <= 65535,
+              "decode_attention: sizes too large for the launch grid");
+
+  // q rows and the cache's [Hkv, S, D] must be dense; batch strides are free (0 included) but
+  // must keep rows 16-byte aligned. Strides of size-1 dims are never used, so not checked.
+  auto stride_ok = [](const at::Tensor& t, int dim, int64_t want) {
+    return t.size(dim) <= 1 || t.stride(dim) == want;
+  };
+  TORCH_CHECK(stride_ok(q, 2, 1) && stride_ok(q, 1, D) && (B <= 1 || q.stride(0) % 8 == 0),
+              "q must have contiguous rows [H, D] and a batch stride that is a multiple of 8, got "
+              "strides ", q.strides());
+  TORCH_CHECK(stride_ok(k_cache, 3, 1) && stride_ok(k_cache, 2, D) && stride_ok(k_cache, 1, S * D) &&
+                  (B <= 1 || (k_cache.stride(0) >= 0 && k_cache.stride(0) % 8 == 0)),
+              "k_cache must be contiguous in its inner three dims [Hkv, S, D] with a batch stride "
+              "that is a multiple of 8, got strides ", k_cache.strides());
+  TORCH_CHECK(stride_ok(v_cache, 3, 1) && stride_ok(v_cache, 2, D) && stride_ok(v_cache, 1, S * D) &&
+                  (B <= 1 || (v_cache.stride(0) >= 0 && v_cache.stride(0) % 8 == 0)),
+              "v_cache must be contiguous in its inner three dims [Hkv, S, D] with a batch stride "
+              "that is a multiple of 8, got strides ", v_cache.strides());
+  DX_CHECK_ALIGNED16(q);
+  DX_CHECK_ALIGNED16(k_cache);
+  DX_CHECK_ALIGNED16(v_cache);
+  DX_CHECK_ALIGNED16(workspace);
+  DX_CHECK_ALIGNED16(out);
+
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t splits = decode_attention_splits(std::max<int64_t>(B, 1), Hkv, S,
+                                                 sm_count(q.get_device()));
+  TORCH_CHECK(workspace.size(0) == B && workspace.size(1) == H && workspace.size(3) == D + 2,
+              "workspace must have shape [B, H, splits, D + 2] = [", B, ", ", H, ", >= ", splits,
+              ", ", D + 2, "], got ", workspace.sizes());
+  TORCH_CHECK(workspace.size(2) >= splits, "workspace has room for ", workspace.size(2),
+              " splits (dim 2) but decode_attention uses ", splits,
+              " for this batch, KV heads and cache capacity; size it with decode_attention_splits(",
+              B, ", ", Hkv, ", ", S, ", sm_count)");
+  if (B == 0 || H == 0) return;
+
+  const int group = static_cast<int>(H / Hkv);
+  const int head_blocks = (group + kHeadsPerBlock - 1) / kHeadsPerBlock;
+  // Tokens per split, whole 16-token tiles; the last splits may be empty when rounding covers S.
+  const int chunk = static_cast<int>(((S + splits - 1) / splits + kTile - 1) / kTile * kTile);
+  const float scale_log2 = static_cast<float>(scale) * kLog2e;
+  const cudaStream_t stream = current_stream();
+
+  auto launch = [&](auto d_tag) {
+    constexpr int kD = decltype(d_tag)::value;
+    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
+                    static_cast<unsigned>(B));
+    decode_attention_split_kernel<kD><<<grid, kWarps * 32, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
+        workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
+        static_cast<int>(H), group, head_blocks, static_cast<int>(S), chunk,
+        static_cast<int>(workspace.size(2)), scale_log2);
+    DX_CHECK_LAUNCH("decode_attention (split)");
+
+    // The combine may launch while the split kernel drains (programmatic dependent launch).
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(H), static_cast<unsigned>(B), kD / 32);
+    cfg.blockDim = dim3(kCombineThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(
+        &cfg, decode_attention_combine_kernel<kD>,
+        static_cast<const float*>(workspace.data_ptr<float>()),
+        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
+        static_cast<int>(splits), static_cast<int>(workspace.size(2)));
+    TORCH_CHECK(err == cudaSuccess, "decodex::decode_attention (combine) kernel launch failed: ",
+                cudaGetErrorString(err));
+    DX_CHECK_LAUNCH("decode_attention (combine)");
+  };
+  if (D == 64) {
+    launch(std::integral_constant<int, 64>{});
+  } else {
+    launch(std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace decodex

@@ -1,0 +1,451 @@
+// decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) for decode batches M = 1..8.
+//
+// The op streams the weight (every byte read once, ~1 FLOP per byte), so all of it is arranged
+// around keeping enough 16-byte weight loads in flight on every SM and nothing else in the way.
+//
+// Idea of the kernel (one kernel, templated on M and the unroll depth U):
+//  * Tensor cores do the math: mma.sync m16n8k16, bf16 in, fp32 accumulate. A warp's 16 weight
+//    rows are the A operand and the M <= 8 rows of x the B operand (n = 8; columns n >= M are
+//    zero), so all M rows come out of one pass over each weight row and M = 8 costs the same
+//    instructions as M = 1 (only more x bytes, from L1).
+//  * No shuffles, no ldmatrix: thread (g = lane/4, t = lane%4) loads 16 B (8 consecutive k) of
+//    weight rows g and g+8 and of x row g, at k = step*32 + 8t, and hands the four bf16 pairs to
+//    the mma's fragments as they are. That maps the mma's logical k onto physical k by the same
+//    permutation for A and B, which leaves the dot product unchanged.
+//  * Weight loads: ld.global.nc.L1::no_allocate.L2::256B (used once: keep them out of L1; a warp
+//    reads each row in 64 B pieces, so let L2 fetch the 256 B granule at once).
+//    x loads: ld.global.nc through L1; every warp on the same k-range reads the same x.
+//  * U k-steps per loop trip: 2U weight loads and U x loads are all issued before the first mma
+//    (U*1 KB per warp in flight); two accumulator sets halve the mma dependency chain.
+//  * Work split: a warp owns one 16-row tile and one of P = wk*c contiguous k-ranges. A block
+//    holds wr tiles x wk k-ranges and sums its k-ranges through shared memory.
+//
+// Variants (chosen per call by the host, same kernel body):
+//  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
+//  * c > 1, cluster split-K (sm_90): small N (the K projection has 16 tiles for 132 SMs) splits
+//    K again over the c blocks of a thread-block cluster, on c SMs; block 0 of the cluster sums
+//    the others' partials through distributed shared memory. No workspace, no atomics, and the
+//    summation order is fixed, so results are deterministic.
+//  * U = 4 (~88 registers, more warps per SM) or U = 8 (128 registers, twice the loads in flight
+//    per warp).
+// The host picks (wr, wk, c, U) per (N, K, M) with a small cost model of waves, bytes in flight
+// and load latency, once per shape (cached). DECODEX_GEMV_CONFIG="wr,wk,c,u" overrides the choice
+// (a tuning knob for bench/gemv.py --sweep, not for the model).
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <map>
+
+#include "common.h"
+#include "ops.h"
+
+namespace decodex {
+namespace {
+
+constexpr int kTileRows = 16;  // weight rows per warp: the mma's m
+constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
+constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
+constexpr int kMaxCluster = 8; // portable cluster size limit
+
+// 16 bytes of weight, zeros when !pred. Predicated inside the asm so the load can never be
+// speculated past its guard.
+__device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p, bool pred) {
+  uint4 v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// 16 bytes of x through the read-only path (cached in L1: reused by every warp of the SM that
+// works on the same k-range), zeros when !pred.
+__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p, bool pred) {
+  uint4 v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// d[16x8] += a[16x16] * b[16x8], bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint32_t b0,
+                                               uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Grid: ceil(ceil(N/16) / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
+// Warp w of block b: tile (b / c) * wr + w / wk (16 weight rows), k-range (b % c) * wk + w % wk
+// of the P = wk * c ranges that split ceil(K/32) k-steps as evenly as integers allow.
+// __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
+// for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
+// ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
+template <int M, int U>
+__global__ void __launch_bounds__(kMaxWarps * 32, 2)
+gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
+            const __nv_bfloat16* __restrict__ weight,  // [N, ldw], rows 16 B aligned
+            const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr
+            __nv_bfloat16* __restrict__ out,           // [M, ldo]
+            int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ float red[kMaxWarps][4][32];  // per-warp partial sums, [warp][accumulator][lane]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rank = blockIdx.x % c;  // block rank in its cluster (cluster dims are (c, 1, 1))
+  const int tile = (blockIdx.x / c) * wr + warp / wk;
+  const int parts = wk * c, part = rank * wk + warp % wk;
+  const int ksteps = (K + kStepK - 1) / kStepK;
+  const bool tile_ok = tile * kTileRows < N;  // the last block's spare warps only join the sums
+  const int s_begin = static_cast<int>(static_cast<int64_t>(part) * ksteps / parts);
+  const int s_end =
+      tile_ok ? static_cast<int>(static_cast<int64_t>(part + 1) * ksteps / parts) : s_begin;
+
+  const int row0 = tile * kTileRows + g, row1 = row0 + 8;
+  const bool ok0 = row0 < N, ok1 = row1 < N, xok = g < M;
+  // Clamped so no out-of-range pointer is formed; the loads are predicated off anyway.
+  const __nv_bfloat16* w0 = weight + static_cast<int64_t>(min(row0, N - 1)) * ldw;
+  const __nv_bfloat16* w1 = weight + static_cast<int64_t>(min(row1, N - 1)) * ldw;
+  const __nv_bfloat16* xg = x + static_cast<int64_t>(min(g, M - 1)) * ldx;
+
+  // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
+  // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
+  float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s = s_begin; s < s_end; s += U) {
+    uint4 wa[U], wb[U], xv[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int k = (s + j) * kStepK + t * 8;
+      const bool in = (s + j < s_end) && (k < K);
+      wa[j] = load_weight(w0 + k, in && ok0);
+      wb[j] = load_weight(w1 + k, in && ok1);
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int k = (s + j) * kStepK + t * 8;
+      const bool in = (s + j < s_end) && (k < K);
+      xv[j] = load_x(xg + k, in && xok);
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      // A rows g / g+8 = weight rows; B column g = x row g; same physical k on both sides.
+      mma_bf16_16816(acc_lo, wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j].x, xv[j].y);
+      mma_bf16_16816(acc_hi, wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j].z, xv[j].w);
+    }
+  }
+  float r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = acc_lo[i] + acc_hi[i];
+
+  // Sum the wk k-ranges of each tile in the block (block-uniform branch).
+  const bool lead = warp % wk == 0;
+  if (wk > 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][i][lane] = r[i];
+    __syncthreads();
+    if (lead) {
+      for (int p = 1; p < wk; ++p) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[i] += red[warp + p][i][lane];
+      }
+    }
+  }
+  // Sum the c blocks of the cluster into block 0 (grid-uniform branch). A lead warp only
+  // rewrites its own slot, which no other warp of its block reads.
+  if (c > 1) {
+#if __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (lead) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][i][lane] = r[i];
+    }
+    cluster.sync();  // every block's partials written and visible cluster-wide
+    if (rank == 0 && lead) {
+      for (int q = 1; q < c; ++q) {
+        const float* remote = cluster.map_shared_rank(&red[warp][0][0], q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[i] += remote[i * 32 + lane];
+      }
+    }
+    cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
+    if (rank != 0) return;
+#else
+    __trap();  // the host never picks c > 1 below sm_90
+#endif
+  }
+  if (!lead || !tile_ok) return;
+
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + (i >= 2 ? 8 : 0);
+    const int n = 2 * t + (i & 1);
+    if (n < M && row < N) {
+      float v = r[i];
+      if (bias != nullptr) v += __bfloat162float(bias[row]);
+      out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
+    }
+  }
+#else
+  __trap();  // bf16 mma needs sm_80; the host refuses older devices
+#endif
+}
+
+// ---- host: configuration ----
+
+struct GemvConfig {
+  int wr, wk, c, u;  // tiles per block, k-ranges per block, blocks per cluster, unroll
+};
+
+using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                            __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int);
+
+template <int M>
+GemvKernel kernel_for_m(int u) {
+  return u == 8 ? gemv_kernel<M, 8> : gemv_kernel<M, 4>;
+}
+
+GemvKernel kernel_for(int m, int u) {
+  switch (m) {
+    case 1: return kernel_for_m<1>(u);
+    case 2: return kernel_for_m<2>(u);
+    case 3: return kernel_for_m<3>(u);
+    case 4: return kernel_for_m<4>(u);
+    case 5: return kernel_for_m<5>(u);
+    case 6: return kernel_for_m<6>(u);
+    case 7: return kernel_for_m<7>(u);
+    default: return kernel_for_m<8>(u);
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Resident blocks per SM of the (M, U) kernel at `warps` warps per block; asked once, cached.
+// (Occupancy depends on the architecture only; decodex runs on one kind of GPU per process.)
+int blocks_per_sm(int m, int u, int warps) {
+  static std::atomic<int> cache[8][2][kMaxWarps + 1];  // zero-initialized: 0 = not asked yet
+  std::atomic<int>& slot = cache[m - 1][u == 8][warps];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n == 0) {
+    cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u), warps * 32, 0);
+    TORCH_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
+                cudaGetErrorString(err));
+    n = std::max(n, 0) + 1;  // stored +1 so that 0 keeps meaning "not asked"
+    slot.store(n, std::memory_order_relaxed);
+  }
+  return n - 1;
+}
+
+// Estimated microseconds of one call. The kernel is a stream of blocks, each doing
+// ceil(S/U) rounds of loads (S = k-steps per warp); a wave of resident blocks moves its bytes at
+// the smallest of the HBM bandwidth, what its loads in flight sustain (with a 1.5x margin over one
+// round trip: latency grows under load), and what its SMs can each pull, but no faster than its
+// rounds of latency. Crude on purpose: it only has to rank configurations.
+double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, int bps) {
+  constexpr double kHbmBytesPerUs = 4.0e6;  // ~4.0 TB/s reachable of the H200's ~4.26
+  constexpr double kSmBytesPerUs = 4.0e4;   // ~40 GB/s that one SM surely pulls (~1.2x its share)
+  constexpr double kRoundTripUs = 0.9;      // issue to use of a round of loads, under load
+  constexpr double kClusterUs = 0.15;       // two cluster barriers + DSMEM reads
+  const int64_t tiles = ceil_div(N, kTileRows), ksteps = ceil_div(K, kStepK);
+  const int64_t parts = static_cast<int64_t>(cf.wk) * cf.c;
+  if (parts > ksteps || bps <= 0) return std::numeric_limits<double>::infinity();
+  const int64_t steps = ceil_div(ksteps, parts), rounds = ceil_div(steps, cf.u);
+  const int64_t groups = ceil_div(tiles, cf.wr), blocks = groups * cf.c;
+  const int64_t resident = static_cast<int64_t>(bps) * sms;
+  // Weight bytes, plus x re-read by every block group (L2 hits: counted at a quarter).
+  const double bytes = 2.0 * N * K + 0.25 * 2.0 * groups * M * K;
+  const double block_bytes = bytes / blocks;
+  const double block_inflight = 1024.0 * cf.wr * cf.wk * std::min<int64_t>(steps, cf.u);
+  auto wave_us = [&](int64_t nb) {
+    const double active_sms = static_cast<double>(std::min<int64_t>(nb, sms));
+    const double bw = std::min({kHbmBytesPerUs, nb * block_inflight / (1.5 * kRoundTripUs),
+                                active_sms * kSmBytesPerUs});
+    return std::max(rounds * kRoundTripUs, nb * block_bytes / bw);
+  };
+  const int64_t full = blocks / resident, rest = blocks % resident;
+  return full * wave_us(resident) + (rest ? wave_us(rest) : 0.0) + (cf.c > 1 ? kClusterUs : 0.0);
+}
+
+GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
+  GemvConfig best{1, 1, 1, 4};
+  double best_us = std::numeric_limits<double>::infinity();
+  // Cheapest structure first; a later candidate must win by 2% to replace it.
+  for (int c = 1; c <= (clusters ? kMaxCluster : 1); c *= 2) {
+    for (int u : {4, 8}) {
+      for (int wk = 1; wk <= kMaxWarps; ++wk) {
+        for (int wr = 1; wr * wk <= kMaxWarps; wr *= 2) {
+          const GemvConfig cf{wr, wk, c, u};
+          const double us = estimate_us(N, K, M, sms, cf, blocks_per_sm(M, u, wr * wk));
+          if (us < 0.98 * best_us) {
+            best = cf;
+            best_us = us;
+          }
+        }
+      }
+    }
+  }
+  return best;
+}
+
+// DECODEX_GEMV_CONFIG="wr,wk,c,u": a fixed configuration for tuning sweeps.
+bool config_override(GemvConfig& cf, bool clusters) {
+  const char* env = std::getenv("DECODEX_GEMV_CONFIG");
+  if (env == nullptr || *env == '\0') return false;
+  GemvConfig o{};
+  TORCH_CHECK(std::sscanf(env, "%d,%d,%d,%d", &o.wr, &o.wk, &o.c, &o.u) == 4,
+              "DECODEX_GEMV_CONFIG must be \"wr,wk,c,u\", got \"", env, "\"");
+  TORCH_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
+                  o.c <= kMaxCluster && (o.u == 4 || o.u == 8) && (clusters || o.c == 1),
+              "DECODEX_GEMV_CONFIG=\"", env, "\": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ",
+              kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
+  cf = o;
+  return true;
+}
+
+int compute_capability_major(int device) {
+  static std::atomic<int> cached[64];  // 0 = not asked yet
+  if (device < 64 && cached[device].load(std::memory_order_relaxed)) return cached[device];
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (device < 64) cached[device].store(major, std::memory_order_relaxed);
+  return major;
+}
+
+}  // namespace
+
+// ---- host: the op ----
+
+void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+          at::Tensor& out) {
+  DX_CHECK_CUDA(x);
+  DX_CHECK_CUDA(weight);
+  DX_CHECK_CUDA(out);
+  DX_CHECK_SAME_DEVICE(x, weight);
+  DX_CHECK_SAME_DEVICE(x, out);
+  DX_CHECK_DTYPE(x, at::kBFloat16);
+  DX_CHECK_DTYPE(weight, at::kBFloat16);
+  DX_CHECK_DTYPE(out, at::kBFloat16);
+  DX_CHECK_DIM(x, 2);
+  DX_CHECK_DIM(weight, 2);
+  DX_CHECK_DIM(out, 2);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M >= 1 && M <= 8, "decodex::gemv handles M = 1..8 rows of x, got x of shape ",
+              x.sizes(), " (M = ", M, "); use cuBLAS (F.linear) for larger batches");
+  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, K] with K = x.size(1) = ", K,
+              ", got ", weight.sizes());
+  TORCH_CHECK(K > 0 && K % 8 == 0,
+              "decodex::gemv needs K (x.size(1)) to be a positive multiple of 8, got K = ", K);
+  TORCH_CHECK(N < (int64_t{1} << 30) && K < (int64_t{1} << 30),
+              "decodex::gemv: N and K must be below 2^30, got N = ", N, ", K = ", K);
+  DX_CHECK_SHAPE(out, M, N);
+  // Rows may be strided (a slice of a wider buffer); the last dim must be dense, and x / weight
+  // rows 16-byte aligned for the vector loads. Strides of size-1 dims are never used.
+  TORCH_CHECK(x.stride(1) == 1, "x must have a contiguous last dim, got strides ", x.strides());
+  TORCH_CHECK(M == 1 || (x.stride(0) >= K && x.stride(0) % 8 == 0),
+              "x rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
+              "multiple of 8), got strides ", x.strides(), " for shape ", x.sizes());
+  TORCH_CHECK(weight.stride(1) == 1, "weight must have a contiguous last dim, got strides ",
+              weight.strides());
+  TORCH_CHECK(N <= 1 || (weight.stride(0) >= K && weight.stride(0) % 8 == 0),
+              "weight rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
+              "multiple of 8), got strides ", weight.strides(), " for shape ", weight.sizes());
+  TORCH_CHECK(N <= 1 || out.stride(1) == 1, "out must have a contiguous last dim, got strides ",
+              out.strides());
+  TORCH_CHECK(M == 1 || out.stride(0) >= N,
+              "out rows must not overlap (stride(0) >= N), got strides ", out.strides(),
+              " for shape ", out.sizes());
+  DX_CHECK_ALIGNED16(x);
+  DX_CHECK_ALIGNED16(weight);
+  const __nv_bfloat16* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
+    TORCH_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
+    TORCH_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
+                " and ", b.device());
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
+                b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
+                b.sizes());
+    TORCH_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
+    bias_ptr = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
+  }
+  if (N == 0) return;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int device = x.get_device();
+  const int cc_major = compute_capability_major(device);
+  TORCH_CHECK(cc_major >= 8, "decodex::gemv needs a GPU of compute capability 8.0 or newer");
+  const bool clusters = cc_major >= 9;
+  const int sms = sm_count(device);
+
+  GemvConfig cf{};
+  if (!config_override(cf, clusters)) {
+    // One choice per shape; a thread_local map needs no lock.
+    thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
+    const std::array<int64_t, 4> key{N, K, M, device};
+    auto it = chosen.find(key);
+    if (it == chosen.end()) {
+      it = chosen.emplace(key, choose_config(N, K, static_cast<int>(M), sms, clusters)).first;
+    }
+    cf = it->second;
+  }
+
+  const int64_t tiles = ceil_div(N, kTileRows);
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
+  launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
+  launch.dynamicSmemBytes = 0;
+  launch.stream = current_stream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cf.c);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  launch.attrs = attr;
+  launch.numAttrs = cf.c > 1 ? 1 : 0;
+
+  const int64_t ldx = M == 1 ? 0 : x.stride(0);
+  const int64_t ldw = N == 1 ? 0 : weight.stride(0);
+  const int64_t ldo = M == 1 ? 0 : out.stride(0);
+  const cudaError_t err = cudaLaunchKernelEx(
+      &launch, kernel_for(static_cast<int>(M), cf.u),
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+      reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias_ptr,
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ldx, ldw, ldo, static_cast<int>(N),
+      static_cast<int>(K), cf.wr, cf.wk, cf.c);
+  TORCH_CHECK(err == cudaSuccess, "decodex::gemv kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
+              ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
+  DX_CHECK_LAUNCH("gemv");
+}
+
+}  // namespace decodex

@@ -1,0 +1,89 @@
+// Device helpers shared by argmax.cu and sample.cu: reading a row of logits 8 elements at a time
+// (16-byte vectors where the row allows, scalar loads for a ragged tail or an unaligned row), and
+// the 64-bit argmax key that makes "largest value, then lowest index, NaN largest" a plain max.
+#pragma once
+
+#include "common.h"
+
+namespace decodex {
+
+using u64 = unsigned long long;
+
+__device__ __forceinline__ float logit_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float logit_to_float(float x) { return x; }
+
+// Elements [8c, 8c + 8) of a row of V logits into f; returns how many exist (8 except at the tail).
+// vec_ok: the row start is 16-byte aligned (base and row stride), so full groups load as vectors.
+template <typename T>
+__device__ __forceinline__ int load8(const T* __restrict__ row, int64_t V, int64_t c, bool vec_ok,
+                                     float (&f)[8]) {
+  const int64_t i0 = c * 8;
+  if (vec_ok && i0 + 8 <= V) {
+    if constexpr (sizeof(T) == 2) {
+      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(row + i0), f);
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(row + i0)[0];
+      const float4 b = reinterpret_cast<const float4*>(row + i0)[1];
+      f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    }
+    return 8;
+  }
+  const int n = static_cast<int>(V - i0 < 8 ? V - i0 : 8);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f[j] = j < n ? logit_to_float(row[i0 + j]) : 0.f;
+  return n;
+}
+
+// Order-preserving map of a float to uint32 (a < b  <=>  key(a) < key(b)), with -0 == +0 and every
+// NaN above +inf, as torch.argmax treats NaN as the maximum.
+__device__ __forceinline__ unsigned argmax_order(float f) {
+  if (f != f) return 0xffffffffu;
+  unsigned u = __float_as_uint(f);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The argmax key of element `idx` with value f: larger key = better; ties in value go to the lower
+// index. 0 is below every real key (the order of -inf is 0x007fffff), so it is the neutral element.
+__device__ __forceinline__ u64 argmax_key(float f, unsigned idx) {
+  return (static_cast<u64>(argmax_order(f)) << 32) | static_cast<u64>(~idx);
+}
+__device__ __forceinline__ int64_t argmax_key_index(u64 key) {
+  return static_cast<int64_t>(~static_cast<unsigned>(key & 0xffffffffull));
+}
+
+__device__ __forceinline__ u64 max_u64(u64 a, u64 b) { return a > b ? a : b; }
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_u64(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Max over a whole block (blockDim.x a multiple of 32). `scratch` holds 32 keys. Every thread gets it.
+__device__ __forceinline__ u64 block_max_u64(u64 v, u64* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max_u64(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0ull;
+  return warp_max_u64(v);
+}
+
+// The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride blockDim).
+template <typename T>
+__device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t V, int64_t c_begin,
+                                             int64_t c_end, bool vec_ok) {
+  u64 best = 0;
+  for (int64_t c = c_begin + threadIdx.x; c < c_end; c += blockDim.x) {
+    float f[8];
+    const int n = load8(row, V, c, vec_ok, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) best = max_u64(best, argmax_key(f[j], static_cast<unsigned>(c * 8 + j)));
+  }
+  return best;
+}
+
+}  // namespace decodex

@@ -1,0 +1,179 @@
+// RoPE on q and k in place, then k and v appended to the KV cache, all rows in one launch.
+//
+// Idea: one block per batch row b. The block first computes cos/sin of the D/2 angles
+// float(positions[b]) * inv_freq[i] once into shared memory (fp32 multiply, precise sincosf, as
+// decodex.reference.rope: no __sinf), then every (head, 16-element slice) of q, k and v is one work
+// item: a thread loads the 8 elements of the first half and the matching 8 of the second half
+// (16-byte vectors, pairs (i, i + D/2): the HF Llama/Qwen "rotate_half" layout), rotates them with
+// separately rounded products and sums (x1*cos - x2*sin, x2*cos + x1*sin: bit-identical fp32 to the
+// reference given the same cos/sin), writes q or k back in place and, for k and v, the row
+// `positions[b]` of the cache. Llama-3 scaling only changes inv_freq, which the caller precomputes.
+//
+// Rows: positions[b] < 0 skips row b entirely (padding slot). positions[b] >= S (the cache capacity)
+// also skips the whole row: nothing is written, q and k stay unrotated. That is a caller bug (the
+// reference raises IndexError); the host must keep positions < S (the model checks on the host), and
+// the kernel guarantees it never writes out of bounds.
+// Strides: q, k, v may be row views into a merged qkv buffer (any stride(0), inner [heads, D]
+// contiguous). The caches need contiguous [Hkv, S, D] but any stride(0), including 0: the prefill
+// path writes a prompt's T tokens into cache slot s with cache[s:s+1].expand(T, ...) and
+// positions = arange(T).
+#include <algorithm>
+
+#include "common.h"
+#include "ops.h"
+
+namespace decodex {
+
+constexpr int kRopeMaxThreads = 512;
+
+__global__ void __launch_bounds__(kRopeMaxThreads)
+rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_stride
+                   int64_t q_stride,
+                   __nv_bfloat16* __restrict__ k,  // [B, Hkv, D], row stride k_stride
+                   int64_t k_stride,
+                   const __nv_bfloat16* __restrict__ v,  // [B, Hkv, D], row stride v_stride
+                   int64_t v_stride,
+                   const float* __restrict__ inv_freq,  // [D/2]
+                   const int* __restrict__ positions,   // [B]
+                   __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], strides (kc_b, kc_h, D, 1)
+                   int64_t kc_b, int64_t kc_h,
+                   __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], strides (vc_b, vc_h, D, 1)
+                   int64_t vc_b, int64_t vc_h, int H, int Hkv, int S, int D) {
+  extern __shared__ float cs[];  // cos [D/2] then sin [D/2]
+  const int64_t b = blockIdx.x;
+  const int pos = positions[b];
+  if (pos < 0 || pos >= S) return;  // the whole block leaves together: no barrier is skipped
+
+  const int half = D / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = __fmul_rn(static_cast<float>(pos), inv_freq[i]);
+    float s, c;
+    sincosf(angle, &s, &c);
+    cs[i] = c;
+    cs[half + i] = s;
+  }
+  __syncthreads();
+
+  const int slices = half / 8;  // 8-element slices of each half
+  const int items = (H + 2 * Hkv) * slices;
+  for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    const int head = it / slices;
+    const int c0 = (it - head * slices) * 8;  // first pair index of this slice
+    if (head < H + Hkv) {
+      __nv_bfloat16* x = head < H ? q + b * q_stride + static_cast<int64_t>(head) * D
+                                  : k + b * k_stride + static_cast<int64_t>(head - H) * D;
+      float x1[8], x2[8], o1[8], o2[8];
+      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(x + c0), x1);
+      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(x + half + c0), x2);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float c = cs[c0 + j], s = cs[half + c0 + j];
+        o1[j] = __fsub_rn(__fmul_rn(x1[j], c), __fmul_rn(x2[j], s));
+        o2[j] = __fadd_rn(__fmul_rn(x2[j], c), __fmul_rn(x1[j], s));
+      }
+      const bf16x8 r1 = float_to_bf16x8(o1), r2 = float_to_bf16x8(o2);
+      *reinterpret_cast<bf16x8*>(x + c0) = r1;
+      *reinterpret_cast<bf16x8*>(x + half + c0) = r2;
+      if (head >= H) {
+        __nv_bfloat16* dst =
+            k_cache + b * kc_b + static_cast<int64_t>(head - H) * kc_h + static_cast<int64_t>(pos) * D;
+        *reinterpret_cast<bf16x8*>(dst + c0) = r1;
+        *reinterpret_cast<bf16x8*>(dst + half + c0) = r2;
+      }
+    } else {
+      const int h = head - H - Hkv;
+      const __nv_bfloat16* src = v + b * v_stride + static_cast<int64_t>(h) * D;
+      __nv_bfloat16* dst =
+          v_cache + b * vc_b + static_cast<int64_t>(h) * vc_h + static_cast<int64_t>(pos) * D;
+      *reinterpret_cast<bf16x8*>(dst + c0) = *reinterpret_cast<const bf16x8*>(src + c0);
+      *reinterpret_cast<bf16x8*>(dst + half + c0) = *reinterpret_cast<const bf16x8*>(src + half + c0);
+    }
+  }
+}
+
+namespace {
+
+// q / k / v: [B, heads, D] bf16, inner [heads, D] contiguous, 16-byte aligned rows.
+void check_heads(const at::Tensor& t, const char* name, int64_t B, int64_t D, const at::Tensor& ref) {
+  TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
+              ref.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(2) == D, name, " must have shape [", B,
+              ", heads, ", D, "], got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && (t.stride(1) == D || t.size(1) == 1), name,
+              " must be contiguous within a row ([heads, D]), got strides ", t.strides());
+  TORCH_CHECK(t.stride(0) % 8 == 0 || B == 1, name,
+              " row stride must be a multiple of 8 elements (16-byte rows), got ", t.stride(0));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be 16-byte aligned (its storage offset breaks vector loads)");
+}
+
+// k_cache / v_cache: [B, Hkv, S, D] bf16, inner [Hkv, S, D] contiguous, any stride(0) (0 allowed).
+void check_cache(const at::Tensor& t, const char* name, int64_t B, int64_t Hkv, int64_t S, int64_t D,
+                 const at::Tensor& ref) {
+  TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
+              ref.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == Hkv && t.size(2) == S && t.size(3) == D,
+              name, " must have shape [", B, ", ", Hkv, ", ", S, ", ", D, "] (S from k_cache), got ",
+              t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == D && (t.stride(1) == S * D || Hkv == 1), name,
+              " must be contiguous in its inner [Hkv, S, D] dims (any stride(0)), got strides ",
+              t.strides());
+  TORCH_CHECK(t.stride(0) % 8 == 0 || B == 1, name, " stride(0) must be a multiple of 8 elements, got ",
+              t.stride(0));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be 16-byte aligned (its storage offset breaks vector stores)");
+}
+
+}  // namespace
+
+// q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
+// k_cache/v_cache[B,Hkv,S,D] row positions[b]. positions[b] < 0 or >= S: row b untouched.
+void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
+                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3, "rope_append: q must be 3-D [B, H, D], got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 3, "rope_append: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, "rope_append: k_cache must be 4-D [B, Hkv, S, D], got shape ",
+              k_cache.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k_cache.size(2);
+  TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 1024,
+              "rope_append: head dim D = q.size(2) must be a multiple of 16 in [16, 1024], got ", D);
+  TORCH_CHECK(H > 0 && Hkv > 0, "rope_append: q and k need at least one head, got H = ", H,
+              ", Hkv = ", Hkv);
+  check_heads(q, "q", B, D, q);
+  check_heads(k, "k", B, D, q);
+  check_heads(v, "v", B, D, q);
+  TORCH_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
+  check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
+  check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
+  TORCH_CHECK(inv_freq.is_cuda() && inv_freq.device() == q.device(), "inv_freq must be on ",
+              q.device(), ", got ", inv_freq.device());
+  DX_CHECK_DTYPE(inv_freq, at::kFloat);
+  DX_CHECK_SHAPE(inv_freq, D / 2);
+  DX_CHECK_CONTIGUOUS(inv_freq);
+  TORCH_CHECK(positions.is_cuda() && positions.device() == q.device(), "positions must be on ",
+              q.device(), ", got ", positions.device());
+  DX_CHECK_DTYPE(positions, at::kInt);
+  DX_CHECK_SHAPE(positions, B);
+  DX_CHECK_CONTIGUOUS(positions);
+  TORCH_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
+              "rope_append: sizes too large");
+  if (B == 0 || S == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int items = static_cast<int>((H + 2 * Hkv) * (D / 16));
+  const int threads = std::min(kRopeMaxThreads, std::max(32, (items + 31) / 32 * 32));
+  const size_t smem = static_cast<size_t>(D) * sizeof(float);
+  rope_append_kernel<<<static_cast<unsigned>(B), threads, smem, current_stream()>>>(
+      reinterpret_cast<__nv_bfloat16*>(q.data_ptr()), q.stride(0),
+      reinterpret_cast<__nv_bfloat16*>(k.data_ptr()), k.stride(0),
+      reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), v.stride(0), inv_freq.data_ptr<float>(),
+      positions.data_ptr<int>(), reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()),
+      k_cache.stride(0), k_cache.stride(1), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
+      v_cache.stride(0), v_cache.stride(1), static_cast<int>(H), static_cast<int>(Hkv),
+      static_cast<int>(S), static_cast<int>(D));
+  DX_CHECK_LAUNCH("rope_append");
+}
+
+}  // namespace decodex

@@ -1,0 +1,74 @@
+// SwiGLU activation: out[M, I] = silu(gate_up[M, :I]) * gate_up[M, I:], bf16 in/out, fp32 math.
+//
+// Idea: a flat grid over all M * I/8 output vectors, one thread per 16-byte vector: it loads 8 gate
+// and the 8 matching up values (two 16-byte loads), computes silu(g) = g / (1 + expf(-g)) with the
+// precise expf, as torch's silu, times up, each step rounded separately, and stores 8 outputs. The
+// flat index keeps every SM busy at M = 1 (I = 8960 is 1120 vectors: 9 blocks of 128) and needs no
+// grid-dimension limit at prefill sizes. gate_up rows may be strided (stride(0) >= 2I), e.g. a view
+// into a wider buffer.
+#include "common.h"
+#include "ops.h"
+
+namespace decodex {
+
+constexpr int kSiluThreads = 128;
+
+__global__ void __launch_bounds__(kSiluThreads)
+silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up,  // [M, 2I], row stride g_stride
+                int64_t g_stride,
+                __nv_bfloat16* __restrict__ out,  // [M, I], row stride o_stride
+                int64_t o_stride, int64_t total /* M * I/8 */, int nvec /* I/8 */) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int64_t row = i / nvec;
+  const int c = static_cast<int>(i - row * nvec);
+  const __nv_bfloat16* g = gate_up + row * g_stride + static_cast<int64_t>(c) * 8;
+  float gf[8], uf[8];
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(g), gf);
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(g + static_cast<int64_t>(nvec) * 8), uf);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float silu = __fdiv_rn(gf[j], __fadd_rn(1.f, expf(-gf[j])));
+    gf[j] = __fmul_rn(silu, uf[j]);
+  }
+  *reinterpret_cast<bf16x8*>(out + row * o_stride + static_cast<int64_t>(c) * 8) = float_to_bf16x8(gf);
+}
+
+// out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
+  DX_CHECK_CUDA(gate_up);
+  DX_CHECK_CUDA(out);
+  DX_CHECK_SAME_DEVICE(gate_up, out);
+  DX_CHECK_DTYPE(gate_up, at::kBFloat16);
+  DX_CHECK_DTYPE(out, at::kBFloat16);
+  DX_CHECK_DIM(gate_up, 2);
+  DX_CHECK_DIM(out, 2);
+  const int64_t M = gate_up.size(0), I2 = gate_up.size(1);
+  TORCH_CHECK(I2 % 16 == 0 && I2 > 0,
+              "silu_mul: gate_up.size(1) = 2I must be a positive multiple of 16 (I % 8 == 0), got ", I2);
+  const int64_t I = I2 / 2;
+  DX_CHECK_SHAPE(out, M, I);
+  TORCH_CHECK(gate_up.stride(1) == 1, "gate_up must be contiguous along its last dim, got strides ",
+              gate_up.strides());
+  TORCH_CHECK(out.stride(1) == 1, "out must be contiguous along its last dim, got strides ", out.strides());
+  TORCH_CHECK(M <= 1 || (gate_up.stride(0) >= I2 && gate_up.stride(0) % 8 == 0),
+              "gate_up row stride must be >= 2I = ", I2, " and a multiple of 8 elements, got ",
+              gate_up.stride(0));
+  TORCH_CHECK(M <= 1 || (out.stride(0) >= I && out.stride(0) % 8 == 0),
+              "out row stride must be >= I = ", I, " and a multiple of 8 elements, got ", out.stride(0));
+  DX_CHECK_ALIGNED16(gate_up);
+  DX_CHECK_ALIGNED16(out);
+  TORCH_CHECK(I / 8 <= 0x7fffffff, "silu_mul: I too large");
+  const int64_t total = M * (I / 8);
+  if (total == 0) return;
+  const int64_t blocks = (total + kSiluThreads - 1) / kSiluThreads;
+  TORCH_CHECK(blocks <= 0x7fffffff, "silu_mul: M * I too large for one grid");
+
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  silu_mul_kernel<<<static_cast<unsigned>(blocks), kSiluThreads, 0, current_stream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(gate_up.data_ptr()), gate_up.stride(0),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), out.stride(0), total, static_cast<int>(I / 8));
+  DX_CHECK_LAUNCH("silu_mul");
+}
+
+}  // namespace decodex

@@ -1,0 +1,201 @@
+"""ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5 and
+Llama 2, 3, 3.1 (llama3 RoPE scaling) and 3.2 (tied embeddings).
+
+Both config dialects are read: the older one (`rope_theta`, `rope_scaling`, `torch_dtype`) that
+published checkpoints carry, and transformers 5's (`rope_parameters`, `dtype`). Anything decodex
+would silently compute wrongly (another activation, MLP bias, sliding-window attention, an unknown
+RoPE scaling) is refused with a LoadError naming the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+class LoadError(ValueError):
+    """A checkpoint decodex cannot load; the message names the file, tensor, field or limit."""
+
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "max_position_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str  # 'qwen2' | 'llama'
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or a llama3 dict with "rope_type": "llama3"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # qwen2: q/k/v bias; llama: q/k/v/o bias
+    mlp_bias: bool = False  # always False (True is refused)
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads config.json (or the config.json inside a directory)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise LoadError(f"{path}: config file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LoadError(f"{path}: malformed JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise LoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw, source=path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        def fail(name, why):
+            raise LoadError(f"{source}: field {name!r} {why}")
+
+        def get(name, kind, default=None, required=False):
+            value = raw.get(name)
+            if value is None:
+                if required:
+                    fail(name, "is required but missing")
+                return default
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                fail(name, f"must be an integer, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                fail(name, f"must be a number, got {value!r}")
+            if kind is bool and not isinstance(value, bool):
+                fail(name, f"must be true or false, got {value!r}")
+            return kind(value)
+
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            fail("model_type", f"is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in _REQUIRED:
+            get(name, int, required=True)
+            if raw[name] <= 0:
+                fail(name, f"must be positive, got {raw[name]}")
+
+        heads = raw["num_attention_heads"]
+        kv_heads = get("num_key_value_heads", int, default=heads)
+        if kv_heads <= 0 or heads % kv_heads:
+            fail("num_key_value_heads", f"= {kv_heads} must divide num_attention_heads = {heads}")
+        head_dim = get("head_dim", int, default=None)
+        if head_dim is None:
+            if raw["hidden_size"] % heads:
+                fail("hidden_size", f"= {raw['hidden_size']} is not divisible by num_attention_heads = "
+                     f"{heads} (and there is no head_dim)")
+            head_dim = raw["hidden_size"] // heads
+        if head_dim <= 0 or head_dim % 2:
+            fail("head_dim", f"= {head_dim} must be positive and even (half-split RoPE)")
+
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            fail("hidden_act", f"is {act!r}; only 'silu' is supported")
+        if get("mlp_bias", bool, default=False):
+            fail("mlp_bias", "is true; MLP biases are not supported")
+        if model_type == "qwen2":
+            attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+            if get("use_sliding_window", bool, default=False) or \
+                    "sliding_attention" in (raw.get("layer_types") or []):
+                fail("use_sliding_window", "is true; sliding-window attention is not supported")
+        else:
+            attention_bias = get("attention_bias", bool, default=False)
+
+        # RoPE: transformers 5 nests theta and scaling in rope_parameters; older files keep them apart.
+        rope_params = raw.get("rope_parameters")
+        if rope_params is not None and not isinstance(rope_params, dict):
+            fail("rope_parameters", f"must be an object, got {rope_params!r}")
+        rope_params = dict(rope_params or {})
+        if raw.get("rope_theta") is not None:
+            rope_theta = get("rope_theta", float)
+        elif rope_params.get("rope_theta") is not None:
+            rope_theta = rope_params["rope_theta"]
+            if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+                fail("rope_parameters.rope_theta", f"must be a number, got {rope_theta!r}")
+            rope_theta = float(rope_theta)
+        else:
+            rope_theta = 10000.0
+        scaling_name = "rope_scaling"
+        scaling = raw.get("rope_scaling")
+        if scaling is None and rope_params:
+            scaling_name, scaling = "rope_parameters", rope_params
+        rope_scaling = None
+        if scaling is not None:
+            if not isinstance(scaling, dict):
+                fail(scaling_name, f"must be an object or null, got {scaling!r}")
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "llama3":
+                rope_scaling = {"rope_type": "llama3"}
+                for name in _LLAMA3_FIELDS:
+                    value = scaling.get(name)
+                    if isinstance(value, bool) or not isinstance(value, (int, float)):
+                        fail(f"{scaling_name}.{name}", f"must be a number for llama3 scaling, got {value!r}")
+                    rope_scaling[name] = value
+                if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
+                    fail(f"{scaling_name}.high_freq_factor", "must exceed low_freq_factor")
+            elif kind not in (None, "default"):
+                fail(f"{scaling_name}.rope_type", f"is {kind!r}; supported: default, llama3")
+
+        eos = raw.get("eos_token_id")
+        eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
+            fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=get("rms_norm_eps", float, default=1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw["max_position_embeddings"],
+            tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
+            attention_bias=attention_bias,
+            mlp_bias=False,
+            torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
+            bos_token_id=get("bos_token_id", int, default=None),
+            eos_token_id=eos_list,
+        )
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor decodex reads (HF names) and its shape. lm_head.weight is listed only when
+        the embeddings are not tied."""
+        Hd, I, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        q_dim = self.num_attention_heads * self.head_dim
+        kv_dim = self.num_key_value_heads * self.head_dim
+        shapes = {"model.embed_tokens.weight": (V, Hd), "model.norm.weight": (Hd,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, Hd)
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (Hd,)
+            shapes[p + "post_attention_layernorm.weight"] = (Hd,)
+            for name, rows in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+                shapes[p + f"self_attn.{name}.weight"] = (rows, Hd)
+                if self.attention_bias:
+                    shapes[p + f"self_attn.{name}.bias"] = (rows,)
+            shapes[p + "self_attn.o_proj.weight"] = (Hd, q_dim)
+            if self.attention_bias and self.model_type == "llama":
+                shapes[p + "self_attn.o_proj.bias"] = (Hd,)
+            shapes[p + "mlp.gate_proj.weight"] = (I, Hd)
+            shapes[p + "mlp.up_proj.weight"] = (I, Hd)
+            shapes[p + "mlp.down_proj.weight"] = (Hd, I)
+        return shapes

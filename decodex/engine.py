@@ -1,0 +1,784 @@
+"""CudaGraphRunner: the fast GPU decode path (the Runner of decodex/generate.py on CUDA).
+
+One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
+
+    embed -> rms_norm -> per layer [qkv gemv (+bias) -> rope_append (writes the cache at the
+    device-side position) -> decode_attention (over the device-side length) -> o gemv ->
+    fused_add_rms_norm -> gate|up gemv -> silu_mul -> down gemv -> fused_add_rms_norm (the next
+    layer's input norm, or the final norm)] -> lm_head gemv -> argmax | sample -> advance_positions
+
+captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
+live on the device and advance inside the graph, so a graph captured at one context length serves
+every later one; the host never syncs per token.
+
+Rows and graph sizes: sequence state lives in rows 0..max_batch-1 of every buffer (row == KV-cache
+slot). A step over the rows 0..n-1 runs in the smallest graph size >= n from GRAPH_SIZES (capped by
+max_batch), on the first n rows of the same buffers. A dead row has positions = -1 and lengths = 0:
+rope_append writes nothing for it and decode_attention does no work for it, so dead rows cost only
+their (weight-bound, hence almost free) share of the GEMVs.
+
+Matrix products: decodex.gemv takes at most 8 rows. For graphs of more rows each weight shape uses
+whichever of cuBLAS (one torch.mm over all rows) and decodex.gemv over 8-row chunks was faster when
+timed once, at that graph's first capture, over all layers' weights of that shape (L2-cold).
+
+Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
+each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
+non_blocking=True and an event is recorded. The host reads a slot only once its event has
+completed, keeping up to `depth` entries in flight, so the GPU always has queued work. EOS, max
+tokens and stop() are seen on the host as tokens arrive; a finished row is deactivated on the
+device by queued fill_ kernels (positions = -1, lengths = 0) before the next replay. The steps
+already in flight produce extra tokens for it, which the host discards. A freed row takes the next
+waiting prompt (continuous batching). Max tokens and cache capacity are known in advance, so a row
+is deactivated right after the last step it needs is queued: no replay ever puts a live row at a
+position >= capacity.
+
+Choices, and why:
+- Row state is changed with fill_ kernels on the runner's stream (the value travels in the launch)
+  rather than copies from pinned staging memory: no staging buffer can be overwritten by the host
+  before its copy ran, and the change is ordered before the next replay by the stream.
+- Two graphs per size, greedy (argmax) and sampling (sample, whose temperature-0 rows take the
+  argmax too): the greedy graph is used whenever every live row is greedy, so plain decoding never
+  pays for the sampling kernel's histogram pass. Each is captured only if used.
+- First layer: the embedding is gathered straight into the residual buffer and normed with rms_norm
+  (the eager model adds it to a zero residual: the same values, one kernel less).
+- Warm-up before capture runs the step with every row dead (state saved and restored), so a
+  capture in the middle of a generation changes nothing.
+
+Sampling draws: the token generated after consuming the token at position p is drawn with
+u = uniform(seed, p) (`sample` gets positions before advance_positions); the first token, from
+the prefill logits of the last prompt token, uses p = T - 1.
+
+Shapes: B rows, n graph rows, Hd hidden, H / Hkv heads, D head dim, I intermediate, V vocab,
+S cache capacity, T prompt tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from decodex import _ext
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
+DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
+_MASK64 = (1 << 64) - 1
+
+
+def graph_sizes(max_batch: int) -> tuple[int, ...]:
+    """The graph batch sizes for a runner of max_batch rows: GRAPH_SIZES below it, then max_batch."""
+    return tuple(s for s in GRAPH_SIZES if s < max_batch) + (max_batch,)
+
+
+def _seed_int64(seed: int) -> int:
+    """A seed as the int64 whose bits are seed mod 2^64 (the kernel hashes the 64 bits)."""
+    s = int(seed) & _MASK64
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+@dataclass
+class _Seq:
+    """Host-side state of one sequence of run()."""
+
+    index: int
+    params: object
+    max_new: int
+    prompt: list[int] | None = None  # None: the cache was filled by the caller (run_loaded)
+    context: int = 0  # tokens already in the cache when decoding starts (len(prompt) or given)
+    first_token: int | None = None  # run_loaded only
+    fixed_row: int | None = None  # run_loaded: the row whose cache the caller filled
+    planned: int = 0  # tokens this sequence will produce at most (max_new, capped by capacity)
+    row: int = -1
+    enqueued: int = 0  # tokens produced by the work queued so far (prefill counts one)
+    received: int = 0  # tokens that reached the host and were yielded
+    pos: int = 0  # position of the token the next queued step consumes
+    device_live: bool = False  # its row advances in the queued steps
+    done: bool = False  # the host wants no more of its tokens
+    t_first: float | None = None  # seconds from run() start to its first token on the host
+
+    @property
+    def greedy(self) -> bool:
+        return float(getattr(self.params, "temperature", 0.0) or 0.0) <= 0.0
+
+
+@dataclass
+class _Entry:
+    """One queued copy of the tokens buffer into ring slot `slot`; rows maps row -> sequence."""
+
+    slot: int
+    handle: object
+    rows: list[tuple[int, _Seq]]
+    decode: bool
+
+
+@dataclass
+class RunStats:
+    """What the last run() measured on the host."""
+
+    ttft_s: dict[int, float] = field(default_factory=dict)  # sequence index -> time to first token
+    decode_steps: int = 0
+    graph_steps: dict[int, int] = field(default_factory=dict)  # graph size -> replays
+    tokens: int = 0
+    decode_wall_s: float = 0.0  # from the first decode replay queued to the last token received
+    wall_s: float = 0.0
+
+    def ms_per_step(self) -> float:
+        return 1000.0 * self.decode_wall_s / max(self.decode_steps, 1)
+
+
+class HostLoop:
+    """The Runner's host loop over an abstract device (the `_dev_*` methods), so the scheduling
+    logic can be tested on a CPU with a fake device (tests/test_engine.py)."""
+
+    def __init__(self, max_batch: int, capacity: int, depth: int = DEFAULT_DEPTH, ring: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.max_batch = max_batch
+        self.capacity = capacity  # positions 0..capacity-1 can be cached
+        self.depth = depth
+        self.ring_size = ring if ring is not None else depth + 1
+        if self.ring_size < depth:
+            raise ValueError(f"ring ({self.ring_size}) must hold at least depth ({depth}) entries")
+        self.sizes = graph_sizes(max_batch)
+        self.eos_ids: set[int] = set()
+        self.stats = RunStats()
+        self._seqs: dict[int, _Seq] = {}
+        self._rows: list[_Seq | None] = [None] * max_batch
+        self._running = False
+
+    # ---- the device interface (CudaGraphRunner implements it) ------------------------------------
+
+    def _dev_reset(self) -> None:  # every row dead
+        raise NotImplementedError
+
+    def _dev_prefill(self, row: int, prompt: list[int], params, live: bool) -> None:
+        """Prefill `prompt` into cache slot `row`, put its first token in tokens[row]; the row then
+        consumes that token at position len(prompt) if `live`, else it is dead."""
+        raise NotImplementedError
+
+    def _dev_load(self, row: int, context: int, token: int, params, live: bool) -> None:
+        """The cache of slot `row` already holds `context` tokens: the row consumes `token` next."""
+        raise NotImplementedError
+
+    def _dev_deactivate(self, row: int) -> None:
+        raise NotImplementedError
+
+    def _dev_step(self, n: int, greedy: bool) -> None:  # one decode step over rows 0..n-1
+        raise NotImplementedError
+
+    def _dev_publish(self, slot: int):  # queue tokens -> ring[slot]; returns a handle
+        raise NotImplementedError
+
+    def _dev_ready(self, handle) -> bool:
+        raise NotImplementedError
+
+    def _dev_wait(self, handle) -> None:
+        raise NotImplementedError
+
+    def _dev_read(self, slot: int) -> list[int]:  # ring[slot], max_batch token ids
+        raise NotImplementedError
+
+    def _dev_drain(self) -> None:  # wait for all queued work (after an abort)
+        raise NotImplementedError
+
+    # ---- the Runner protocol ---------------------------------------------------------------------
+
+    def run(self, prompts: list[list[int]], params: list, max_new_tokens: list[int]):
+        """Prefills every prompt, then decodes; yields lists of (sequence index, token id) as tokens
+        reach the host. A sequence stops after max_new_tokens, on an EOS id (which is yielded), when
+        the cache is full, or after stop(i)."""
+        if not (len(prompts) == len(params) == len(max_new_tokens)):
+            raise ValueError(f"prompts ({len(prompts)}), params ({len(params)}) and max_new_tokens "
+                             f"({len(max_new_tokens)}) must have the same length")
+        seqs = []
+        for i, (prompt, p, m) in enumerate(zip(prompts, params, max_new_tokens)):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) > self._limit():
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than the limit of "
+                                 f"{self._limit()} ({self._limit_reason()})")
+            seqs.append(_Seq(index=i, params=p, max_new=int(m), prompt=prompt, context=len(prompt)))
+        return self._loop(seqs)
+
+    def run_loaded(self, contexts: list[int], first_tokens: list[int], params: list,
+                   max_new_tokens: list[int]):
+        """Like run(), for sequences whose cache rows the caller already filled (benchmarks):
+        sequence i sits in row i with contexts[i] cached tokens and consumes first_tokens[i] next
+        (which is yielded as its first token)."""
+        if len(contexts) > self.max_batch:
+            raise ValueError(f"{len(contexts)} loaded sequences exceed max_batch {self.max_batch}")
+        seqs = []
+        for i, (c, t, p, m) in enumerate(zip(contexts, first_tokens, params, max_new_tokens)):
+            if not 0 <= c < self._limit():
+                raise ValueError(f"context {c} of sequence {i} must be in [0, {self._limit()})")
+            seqs.append(_Seq(index=i, params=p, max_new=int(m), context=int(c), first_token=int(t),
+                             fixed_row=i))
+        return self._loop(seqs)
+
+    def stop(self, i: int) -> None:
+        """The host decided sequence i is done: no more of its tokens are yielded and its row stops
+        costing work with the next queued step."""
+        s = self._seqs.get(i)
+        if s is None or s.done:
+            return
+        s.done = True
+        if s.device_live:
+            self._deactivate(s)
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _limit(self) -> int:
+        return self.capacity
+
+    def _limit_reason(self) -> str:
+        return f"the KV cache capacity of {self.capacity} tokens"
+
+    def _loop(self, seqs: list[_Seq]):
+        if self._running:
+            raise RuntimeError("this runner is already running a generation (one at a time)")
+        self._running = True
+        t0 = time.perf_counter()
+        self.stats = st = RunStats()
+        self._seqs = {s.index: s for s in seqs}
+        self._rows = [None] * self.max_batch
+        limit = self._limit()
+        waiting: deque[_Seq] = deque()
+        for s in seqs:
+            # Consuming the token at position p writes the cache at p, so positions context ..
+            # limit-1 can be consumed: 1 token from the prefill + (limit - context) steps.
+            s.planned = max(0, min(s.max_new, limit - s.context + 1))
+            if s.planned == 0:
+                s.done = True
+            else:
+                waiting.append(s)
+        inflight: deque[_Entry] = deque()
+        counter = 0  # entries queued so far; entry k uses ring slot k % ring_size
+        t_decode0 = None
+        try:
+            self._dev_reset()
+            while True:
+                # 1. The oldest entry if it has arrived, without waiting. One entry per yield: at
+                #    most one token per sequence, so stop() after a token is never too late.
+                if inflight and self._dev_ready(inflight[0].handle):
+                    out = self._harvest(inflight.popleft(), t0)
+                    if out:
+                        yield out
+                    continue
+                # 2. The pipeline is full: wait for the oldest entry.
+                if len(inflight) >= self.depth:
+                    e = inflight.popleft()
+                    self._dev_wait(e.handle)
+                    out = self._harvest(e, t0)
+                    if out:
+                        yield out
+                    continue
+                # 3. A free row and a waiting sequence: prefill it (its first token is an entry).
+                while waiting and waiting[0].done:  # stopped before it started
+                    waiting.popleft()
+                free = self._free_row()
+                if waiting and waiting[0].fixed_row is not None:
+                    r = waiting[0].fixed_row
+                    free = r if self._rows[r] is None else None
+                if waiting and free is not None:
+                    s = waiting.popleft()
+                    self._admit(s, free)
+                    slot = counter % self.ring_size
+                    inflight.append(_Entry(slot, self._dev_publish(slot), [(free, s)], decode=False))
+                    counter += 1
+                    if not s.device_live:  # its only token came from the prefill
+                        self._rows[free] = None
+                    continue
+                # 4. A decode step over the live rows.
+                live = [s for s in self._rows if s is not None and s.device_live]
+                if live:
+                    top = max(s.row for s in live) + 1
+                    n = next(size for size in self.sizes if size >= top)
+                    greedy = all(s.greedy for s in live)
+                    for s in live:
+                        if s.pos >= limit or s.enqueued >= s.planned:  # never past the cache
+                            raise AssertionError(f"row {s.row} at position {s.pos} (limit {limit}), "
+                                                 f"{s.enqueued}/{s.planned} tokens queued")
+                    self._dev_step(n, greedy)
+                    if t_decode0 is None:
+                        t_decode0 = time.perf_counter()
+                    st.decode_steps += 1
+                    st.graph_steps[n] = st.graph_steps.get(n, 0) + 1
+                    slot = counter % self.ring_size
+                    inflight.append(_Entry(slot, self._dev_publish(slot), [(s.row, s) for s in live],
+                                           decode=True))
+                    counter += 1
+                    for s in live:
+                        s.enqueued += 1
+                        s.pos += 1
+                        if s.enqueued >= s.planned:  # its last token is queued: stop its row now
+                            self._deactivate(s)
+                    continue
+                # 5. Nothing to queue: wait for what is in flight, or finish.
+                if inflight:
+                    e = inflight.popleft()
+                    self._dev_wait(e.handle)
+                    out = self._harvest(e, t0)
+                    if out:
+                        yield out
+                    continue
+                if waiting:  # no free row can appear without work in flight
+                    raise AssertionError("sequences are waiting but no row is free and nothing runs")
+                break
+            for s in seqs:
+                if not s.done:  # every planned token arrived or the sequence stopped
+                    raise AssertionError(f"sequence {s.index} ended with {s.received}/{s.planned} tokens")
+            if t_decode0 is not None:
+                st.decode_wall_s = time.perf_counter() - t_decode0
+        finally:
+            st.wall_s = time.perf_counter() - t0
+            st.ttft_s = {s.index: s.t_first for s in seqs if s.t_first is not None}
+            if inflight or any(r is not None for r in self._rows):
+                # Abandoned early (consumer stopped iterating, or an error): leave no row live and
+                # no copy in flight into the ring.
+                try:
+                    self._dev_reset()
+                    self._dev_drain()
+                except Exception:  # noqa: BLE001 - do not hide the original error
+                    pass
+            self._rows = [None] * self.max_batch
+            self._running = False
+
+    def _free_row(self) -> int | None:
+        for r, s in enumerate(self._rows):
+            if s is None:
+                return r
+        return None
+
+    def _admit(self, s: _Seq, row: int) -> None:
+        s.row = row
+        s.enqueued = 1
+        s.pos = s.context
+        s.device_live = s.planned > 1
+        self._rows[row] = s
+        if s.prompt is not None:
+            self._dev_prefill(row, s.prompt, s.params, s.device_live)
+        else:
+            self._dev_load(row, s.context, s.first_token, s.params, s.device_live)
+
+    def _deactivate(self, s: _Seq) -> None:
+        """Stop the row of s on the device (queued before the next step) and free it."""
+        if not s.device_live:
+            return
+        s.device_live = False
+        self._dev_deactivate(s.row)
+        if self._rows[s.row] is s:
+            self._rows[s.row] = None
+
+    def _harvest(self, e: _Entry, t0: float) -> list[tuple[int, int]]:
+        """The tokens of one arrived entry, for the sequences still accepting them."""
+        tokens = self._dev_read(e.slot)
+        out = []
+        for row, s in e.rows:
+            if s.done:
+                continue  # finished while this step was in flight: an extra token, discarded
+            tok = int(tokens[row])
+            s.received += 1
+            self.stats.tokens += 1
+            if s.received == 1:
+                s.t_first = time.perf_counter() - t0
+            out.append((s.index, tok))
+            if tok in self.eos_ids or s.received >= s.planned:
+                s.done = True
+                self._deactivate(s)
+        return out
+
+
+class CudaGraphRunner(HostLoop):
+    """The fast decode path: static buffers, one CUDA graph per (batch size, greedy), async tokens.
+
+    runner = CudaGraphRunner(model, max_batch, capacity)
+    for tokens in runner.run(prompts, params, max_new_tokens): ...   # the Runner protocol
+
+    Lower-level pieces (tests, benchmarks): reset(), prefill_row(), load_row(), deactivate_row(),
+    step(n, greedy), eager_step(), time_steps(), and the buffers tokens / positions / lengths /
+    logits [max_batch, ...].
+    """
+
+    def __init__(self, model, max_batch: int, capacity: int, depth: int = DEFAULT_DEPTH):
+        if not _ext.available():
+            raise RuntimeError(f"CudaGraphRunner needs the decodex kernels: {_ext.why_unavailable()}")
+        if model.device.type != "cuda":
+            raise RuntimeError(f"CudaGraphRunner needs a model on a CUDA device, got {model.device}")
+        if model.dtype != torch.bfloat16:
+            raise RuntimeError(f"CudaGraphRunner runs bf16 models, got {model.dtype}")
+        super().__init__(max_batch, capacity, depth)
+        c = model.config
+        self.model = model
+        self.config = c
+        self.device = model.device
+        # The ids ReferenceRunner stops on: the tokenizer's / generation_config's when load() set them.
+        self.eos_ids = set(getattr(model, "eos_token_ids", None) or c.eos_token_id or [])
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        Hd, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.eps = float(c.rms_norm_eps)
+        self.scale = float(getattr(model, "scale", D ** -0.5))
+        B, dev, dt = max_batch, self.device, model.dtype
+        self.stream = torch.cuda.Stream(device=dev)  # every queued piece of work runs on it
+        self._capture_stream = torch.cuda.Stream(device=dev)
+
+        def zeros(*shape, dtype=dt):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        # Plain tensors even if built under inference_mode (they are updated in place later).
+        with torch.cuda.device(dev), torch.inference_mode(False):
+            # Sequence state (rows = cache slots).
+            self.tokens = zeros(B, dtype=torch.int64)  # [B] the token each row consumes next
+            self.positions = torch.full((B,), -1, dtype=torch.int32, device=dev)  # [B] its position
+            self.lengths = zeros(B, dtype=torch.int32)  # [B] positions + 1 (0: dead)
+            self.temperature = zeros(B, dtype=torch.float32)  # [B] sampling params per row
+            self.top_k = zeros(B, dtype=torch.int32)
+            self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
+            self.seed = zeros(B, dtype=torch.int64)
+            self.cache = model.new_cache(B, capacity)  # k/v[layer]: [B, Hkv, S, D]
+            # Step intermediates.
+            self.residual = zeros(B, Hd)  # [B, Hd] the residual stream
+            self.hidden = zeros(B, Hd)  # [B, Hd] normed input of the next matrix product
+            self.delta = zeros(B, Hd)  # [B, Hd] o / down output, added into the residual
+            self.qkv = zeros(B, (H + 2 * Hkv) * D)  # [B, (H+2Hkv)*D] rows: q | k | v
+            self.attn = zeros(B, H * D)  # [B, H*D]
+            self.gate_up = zeros(B, 2 * I)  # [B, 2I]
+            self.act = zeros(B, I)  # [B, I]
+            self.logits = zeros(B, V)  # [B, V] bf16
+            # decode_attention scratch: one buffer sized for the largest graph, viewed per size.
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self._splits = {n: int(torch.ops.decodex.decode_attention_splits(n, Hkv, capacity, sms))
+                            for n in self.sizes}
+            ws = max(n * H * self._splits[n] * (D + 2) for n in self.sizes)
+            self._workspace = torch.empty(ws, dtype=torch.float32, device=dev)
+            # Host side: the pinned ring the tokens land in, one event per slot.
+            self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> "cublas" | "gemv8"
+        self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
+        self.num_captures = 0
+        self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
+        self._join_caller()  # the model's weights and these buffers were written on the caller's stream
+
+    def _join_caller(self) -> None:
+        """Work queued on self.stream from now on follows everything the caller queued so far on
+        its current stream (weights, a cache it filled). Called where the caller hands over: reset,
+        prefill_row, load_row, time_steps; not per step. Reading results back, the caller syncs."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def _views(self, n: int):
+        H, Hkv, D = self.H, self.Hkv, self.D
+        qkv = self.qkv[:n]
+        q = qkv[:, : H * D].view(n, H, D)  # row stride (H+2Hkv)*D
+        k = qkv[:, H * D: (H + Hkv) * D].view(n, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
+        ws = self._workspace[: n * H * self._splits[n] * (D + 2)].view(n, H, self._splits[n], D + 2)
+        return q, k, v, ws
+
+    def _linear(self, n: int, name: str, x, w, b, out) -> None:
+        """out[n, N] = x[n, K] @ w[N, K]^T (+ b)."""
+        if n <= GEMV_MAX_ROWS:
+            torch.ops.decodex.gemv(x, w, b, out)
+        elif self.linear_plan.get((n, name), "cublas") == "cublas":
+            _cublas_linear(x, w, b, out)
+        else:
+            for r in range(0, n, GEMV_MAX_ROWS):
+                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS])
+
+    def _step(self, n: int, greedy: bool) -> None:
+        """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""
+        m, ops = self.model, torch.ops.decodex
+        tokens, positions, lengths = self.tokens[:n], self.positions[:n], self.lengths[:n]
+        residual, hidden, delta = self.residual[:n], self.hidden[:n], self.delta[:n]
+        qkv, attn, gate_up, act = self.qkv[:n], self.attn[:n], self.gate_up[:n], self.act[:n]
+        logits = self.logits[:n]
+        q, k, v, ws = self._views(n)
+        attn3 = attn.view(n, self.H, self.D)
+        layers = m.layers
+        torch.index_select(m.embed, 0, tokens, out=residual)  # [n, Hd]
+        ops.rms_norm(residual, layers[0].input_norm, self.eps, hidden)
+        for i, layer in enumerate(layers):
+            k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
+            self._linear(n, "qkv", hidden, layer.qkv_w, layer.qkv_b, qkv)
+            ops.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)  # q, k rotated in place
+            # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
+            ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3)
+            self._linear(n, "o", attn, layer.o_w, getattr(layer, "o_b", None), delta)
+            ops.fused_add_rms_norm(delta, residual, layer.post_norm, self.eps, hidden)
+            self._linear(n, "gate_up", hidden, layer.gate_up_w, None, gate_up)
+            ops.silu_mul(gate_up, act)
+            self._linear(n, "down", act, layer.down_w, None, delta)
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
+            ops.fused_add_rms_norm(delta, residual, next_norm, self.eps, hidden)
+        self._linear(n, "lm_head", hidden, m.lm_head, None, logits)
+        if greedy:
+            ops.argmax(logits, tokens)
+        else:
+            ops.sample(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
+                       positions, tokens)
+        ops.advance_positions(positions, lengths)
+
+    # ---- graphs -----------------------------------------------------------------------------------
+
+    def graph_size(self, batch: int) -> int:
+        """The smallest graph size holding `batch` rows."""
+        for s in self.sizes:
+            if s >= batch:
+                return s
+        raise ValueError(f"batch {batch} exceeds max_batch {self.max_batch}")
+
+    def _graph(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        g = self._graphs.get((n, greedy))
+        if g is None:
+            g = self._graphs[(n, greedy)] = self._capture(n, greedy)
+        return g
+
+    @contextlib.contextmanager
+    def _quiet_rows(self):
+        """Run warm-up steps with every row dead, then restore the sequence state exactly (dead
+        rows write no cache entry, so the KV cache is untouched)."""
+        saved = (self.tokens.clone(), self.positions.clone(), self.lengths.clone())
+        self.positions.fill_(-1)
+        self.lengths.fill_(0)
+        try:
+            yield
+        finally:
+            self.tokens.copy_(saved[0])
+            self.positions.copy_(saved[1])
+            self.lengths.copy_(saved[2])
+
+    def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        if n not in self.sizes:
+            raise ValueError(f"graph size {n} is not one of {self.sizes}")
+        cs = self._capture_stream
+        cs.wait_stream(self.stream)  # the state the warm-up saves and restores is current
+        with torch.cuda.device(self.device), torch.cuda.stream(cs), torch.no_grad():
+            if n > GEMV_MAX_ROWS:
+                self._plan_linears(n)
+            with self._quiet_rows():  # lazy init (cuBLAS handles, workspaces) outside the graph
+                for _ in range(2):
+                    self._step(n, greedy)
+        graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph synchronizes the device before capturing; nothing executes during capture.
+        with torch.cuda.device(self.device), torch.no_grad(), torch.cuda.graph(graph, stream=cs):
+            self._step(n, greedy)
+        self.stream.wait_stream(cs)
+        self.num_captures += 1
+        return graph
+
+    def capture(self, batch: int, greedy: bool = True) -> int:
+        """Capture the graph for `batch` rows now (rather than on first use); returns its size."""
+        n = self.graph_size(batch)
+        self._graph(n, greedy)
+        return n
+
+    def _plan_linears(self, n: int) -> None:
+        """For a graph of n > 8 rows: per weight shape, time cuBLAS over all n rows against
+        decodex.gemv over 8-row chunks (all layers' weights of that shape, so L2-cold) and keep the
+        faster. Runs once per graph size on the current (capture) stream, before capture."""
+        m = self.model
+        L = m.layers
+        jobs = {  # name -> (x, [(w, b)], out)
+            "qkv": (self.hidden[:n], [(l.qkv_w, l.qkv_b) for l in L], self.qkv[:n]),
+            "o": (self.attn[:n], [(l.o_w, getattr(l, "o_b", None)) for l in L], self.delta[:n]),
+            "gate_up": (self.hidden[:n], [(l.gate_up_w, None) for l in L], self.gate_up[:n]),
+            "down": (self.act[:n], [(l.down_w, None) for l in L], self.delta[:n]),
+            "lm_head": (self.hidden[:n], [(m.lm_head, None)], self.logits[:n]),
+        }
+        for name, (x, weights, out) in jobs.items():
+            def cublas():
+                for w, b in weights:
+                    _cublas_linear(x, w, b, out)
+
+            def chunked():
+                for w, b in weights:
+                    for r in range(0, n, GEMV_MAX_ROWS):
+                        torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS])
+
+            times = {"cublas": _time_us(cublas) / len(weights), "gemv8": _time_us(chunked) / len(weights)}
+            self.linear_times_us[(n, name)] = times
+            self.linear_plan[(n, name)] = min(times, key=times.get)
+
+    # ---- row state (all queued on self.stream, no host sync) --------------------------------------
+
+    def _set_params(self, row: int, params) -> None:
+        t = float(getattr(params, "temperature", 0.0) or 0.0)
+        self.temperature[row].fill_(t)
+        self.top_k[row].fill_(int(getattr(params, "top_k", 0) or 0))
+        self.top_p[row].fill_(float(getattr(params, "top_p", 1.0) if params is not None else 1.0))
+        self.seed[row].fill_(_seed_int64(getattr(params, "seed", 0) or 0))
+
+    def _sample_row(self, row: int, greedy: bool) -> None:
+        """tokens[row] = the token drawn from logits[row] at positions[row]."""
+        r = slice(row, row + 1)
+        if greedy:
+            torch.ops.decodex.argmax(self.logits[r], self.tokens[r])
+        else:
+            torch.ops.decodex.sample(self.logits[r], self.temperature[r], self.top_k[r], self.top_p[r],
+                                     self.seed[r], self.positions[r], self.tokens[r])
+
+    def _set_row(self, row: int, position: int, live: bool) -> None:
+        self.positions[row].fill_(position if live else -1)
+        self.lengths[row].fill_(position + 1 if live else 0)
+
+    def reset(self) -> None:
+        """Every row dead."""
+        self._join_caller()
+        with torch.cuda.stream(self.stream):
+            self.positions.fill_(-1)
+            self.lengths.fill_(0)
+        self._host_pos = [-1] * self.max_batch
+
+    def prefill_row(self, row: int, prompt: list[int], params=None, live: bool = True) -> None:
+        """Prefill `prompt` into cache slot `row` (cuBLAS/SDPA path of model.prefill) and draw the
+        first token from the logits of the last prompt token (position T-1) into tokens[row]."""
+        T = len(prompt)
+        if not 0 < T <= self.capacity:
+            raise ValueError(f"prompt of {T} tokens: must be 1 .. the cache capacity {self.capacity}")
+        self._join_caller()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+            ids = torch.tensor(prompt, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            logits = self.model.prefill(ids, self.cache, row)  # [T, V] fp32
+            self._set_params(row, params)
+            self.logits[row].copy_(logits[T - 1])  # rounded to bf16, like every decode step's logits
+            del logits
+            self.positions[row].fill_(T - 1)
+            greedy = float(getattr(params, "temperature", 0.0) or 0.0) <= 0.0
+            self._sample_row(row, greedy)
+            self._set_row(row, T, live)
+        self._host_pos[row] = T if live else -1
+
+    def load_row(self, row: int, context: int, token: int, params=None, live: bool = True) -> None:
+        """The caller filled cache rows 0..context-1 of slot `row`: the row consumes `token` at
+        position `context` next (benchmarks: no prefill needed)."""
+        if not 0 <= context < self.capacity:
+            raise ValueError(f"context {context} must be in [0, {self.capacity})")
+        self._join_caller()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self._set_params(row, params)
+            self.tokens[row].fill_(int(token))
+            self._set_row(row, context, live)
+        self._host_pos[row] = context if live else -1
+
+    def deactivate_row(self, row: int) -> None:
+        with torch.cuda.stream(self.stream):
+            self._set_row(row, 0, False)
+        self._host_pos[row] = -1
+
+    def step(self, n: int, greedy: bool = True) -> None:
+        """One decode step over rows 0..n-1 (n a graph size) by graph replay, captured on first use.
+        The caller keeps every live row's position below capacity."""
+        graph = self._graph(n, greedy)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+        self._host_pos = [p + 1 if p >= 0 and r < n else p for r, p in enumerate(self._host_pos)]
+
+    def eager_step(self, n: int, greedy: bool = True) -> None:
+        """The same step without the graph (profiling, debugging)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+            self._step(n, greedy)
+        self._host_pos = [p + 1 if p >= 0 and r < n else p for r, p in enumerate(self._host_pos)]
+
+    def time_steps(self, n: int, greedy: bool = True, steps: int = 100, warmup: int = 5) -> list[float]:
+        """Milliseconds of each of `steps` graph replays queued back to back (CUDA events between
+        replays), for rows loaded with load_row / prefill_row. Live rows advance steps + warmup
+        positions; this raises if that would pass the cache capacity."""
+        top = max(self._host_pos)
+        if top + warmup + steps > self.capacity:
+            raise ValueError(f"rows at position {top} + {warmup + steps} steps pass the capacity "
+                             f"{self.capacity}")
+        graph = self._graph(n, greedy)
+        self._join_caller()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        with torch.cuda.stream(self.stream):
+            for _ in range(warmup):
+                graph.replay()
+            events[0].record()
+            for i in range(steps):
+                graph.replay()
+                events[i + 1].record()
+        events[-1].synchronize()
+        self._host_pos = [p + warmup + steps if p >= 0 and r < n else p for r, p in enumerate(self._host_pos)]
+        return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+
+    def step_time_ms(self, n: int, greedy: bool = True, steps: int = 100) -> float:
+        """Median ms per replayed step (see time_steps)."""
+        return statistics.median(self.time_steps(n, greedy, steps))
+
+    # ---- HostLoop's device interface --------------------------------------------------------------
+
+    def _limit(self) -> int:
+        return min(self.capacity, self.config.max_position_embeddings)
+
+    def _limit_reason(self) -> str:
+        if self.capacity <= self.config.max_position_embeddings:
+            return f"the KV cache capacity of {self.capacity} tokens"
+        return f"the model's max_position_embeddings={self.config.max_position_embeddings}"
+
+    def _dev_reset(self) -> None:
+        self.reset()
+
+    def _dev_prefill(self, row, prompt, params, live) -> None:
+        self.prefill_row(row, prompt, params, live)
+
+    def _dev_load(self, row, context, token, params, live) -> None:
+        self.load_row(row, context, token, params, live)
+
+    def _dev_deactivate(self, row) -> None:
+        self.deactivate_row(row)
+
+    def _dev_step(self, n, greedy) -> None:
+        self.step(n, greedy)
+
+    def _dev_publish(self, slot):
+        ev = self._events[slot]
+        with torch.cuda.stream(self.stream):
+            self.ring[slot].copy_(self.tokens, non_blocking=True)
+            ev.record(self.stream)
+        return ev
+
+    def _dev_ready(self, handle) -> bool:
+        return handle.query()
+
+    def _dev_wait(self, handle) -> None:
+        handle.synchronize()
+
+    def _dev_read(self, slot) -> list[int]:
+        return self.ring[slot].tolist()
+
+    def _dev_drain(self) -> None:
+        self.stream.synchronize()
+
+
+def _cublas_linear(x, w, b, out) -> None:
+    """out = x @ w^T (+ b) through cuBLAS, into the given buffer (no allocation)."""
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
+
+
+def _time_us(fn, reps: int = 5) -> float:
+    """Median microseconds of fn() on the current stream, after one warm-up call (CUDA events)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)

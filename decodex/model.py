@@ -1,0 +1,279 @@
+"""The Qwen2 / Llama decoder as one layer loop, with weights merged where a kernel reads them together
+(q|k|v rows in one matrix, gate|up rows in another), and a static KV cache.
+
+Two paths run the same loop on the same tensors:
+- reference (CPU, or any device without the kernels): decodex.reference ops, fp32 math; the
+  source of truth that the tests compare with transformers.
+- kernels (CUDA, eager, outside graphs; `model.use_kernels`): torch.ops.decodex.* where a kernel
+  exists (gemv for <= 8 rows, fused_add_rms_norm, rope_append, decode_attention, silu_mul), cuBLAS
+  and SDPA for prefill GEMMs and attention. The CUDA-graph decode path lives in engine.py.
+
+Shapes: T prompt tokens, B batch, M rows (T or B), Hd hidden, H query heads, Hkv KV heads,
+D head dim, I intermediate, V vocabulary, S cache capacity.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from decodex import _ext, reference
+from decodex.config import LoadError, ModelConfig
+
+KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
+GEMV_MAX_ROWS = 8  # the gemv kernel's limit on M; more rows go to cuBLAS
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [Hd]
+    qkv_w: torch.Tensor  # [(H + 2*Hkv) * D, Hd]  rows: q, then k, then v
+    qkv_b: torch.Tensor | None  # [(H + 2*Hkv) * D]  (Qwen2; Llama with attention_bias)
+    o_w: torch.Tensor  # [Hd, H*D]
+    post_norm: torch.Tensor  # [Hd]
+    gate_up_w: torch.Tensor  # [2*I, Hd]  rows: gate, then up
+    down_w: torch.Tensor  # [Hd, I]
+    o_b: torch.Tensor | None = None  # [Hd]  only Llama with attention_bias=True has it
+
+
+@dataclass
+class KVCache:
+    k: list[torch.Tensor]  # per layer [B, Hkv, S, D], rotated keys
+    v: list[torch.Tensor]  # per layer [B, Hkv, S, D]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+
+class _ReferenceOps:
+    """decodex.reference: fp32 math, results rounded to the input dtype."""
+
+    @staticmethod
+    def linear(x, w, b=None):  # x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N]
+        return reference.gemv(x, w, b)
+
+    @staticmethod
+    def add_norm(x, residual, w, eps):  # residual += x; returns (rms_norm(residual), residual)
+        return reference.fused_add_rms_norm(x, residual, w, eps)
+
+    @staticmethod
+    def silu_mul(gate_up):  # [M, 2I] -> [M, I]
+        return reference.silu_mul(gate_up)
+
+
+class _ReferenceRowOps(_ReferenceOps):
+    """Decode on the reference path: one GEMV per row. BLAS picks different kernels (so different
+    summation orders) for 1 and for several rows; row by row, a sequence's logits do not depend on
+    what else is in the batch, and batch decode equals single decode bit for bit."""
+
+    @staticmethod
+    def linear(x, w, b=None):
+        return torch.cat([reference.gemv(x[i:i + 1], w, b) for i in range(x.shape[0])])
+
+
+class _KernelOps:
+    """torch.ops.decodex kernels (bf16, CUDA); cuBLAS for GEMMs with more rows than gemv takes."""
+
+    @staticmethod
+    def linear(x, w, b=None):
+        if x.shape[0] > GEMV_MAX_ROWS:
+            return F.linear(x, w, b)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        torch.ops.decodex.gemv(x, w, b, out)
+        return out
+
+    @staticmethod
+    def add_norm(x, residual, w, eps):
+        out = torch.empty_like(x)
+        torch.ops.decodex.fused_add_rms_norm(x, residual, w, eps, out)  # residual updated in place
+        return out, residual
+
+    @staticmethod
+    def silu_mul(gate_up):
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype,
+                          device=gate_up.device)
+        torch.ops.decodex.silu_mul(gate_up, out)
+        return out
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device=None, dtype=None):
+        """weights: HF tensor names -> tensors (any device / float dtype), checked against config."""
+        self.config = config
+        self.device = torch.device(device if device is not None else "cpu")
+        self.dtype = dtype if dtype is not None else torch.float32
+        c = config
+        shapes = c.weight_shapes()
+        if "lm_head.weight" in weights:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for name, shape in shapes.items():
+            if name not in weights:
+                raise LoadError(f"missing tensor {name!r}")
+            if tuple(weights[name].shape) != shape:
+                raise LoadError(f"tensor {name!r} has shape {list(weights[name].shape)}, "
+                                f"expected {list(shape)} from the config")
+
+        def w(name):  # copy to the device first, then cast there (faster than casting on the CPU)
+            return weights[name].to(self.device).to(self.dtype).contiguous()
+
+        def cat(*names):
+            return torch.cat([w(n) for n in names], dim=0)
+
+        self.embed = w("model.embed_tokens.weight")  # [V, Hd]
+        self.final_norm = w("model.norm.weight")  # [Hd]
+        # Tied (Llama 3.2, small Qwen2): the LM head IS the embedding tensor. An lm_head.weight stored
+        # anyway is used only if it differs, as transformers 5 does (it then declines to tie).
+        self.lm_head = self.embed  # [V, Hd]
+        if not c.tie_word_embeddings or "lm_head.weight" in weights:
+            lm_head = w("lm_head.weight")
+            if not (c.tie_word_embeddings and torch.equal(lm_head, self.embed)):
+                if c.tie_word_embeddings:
+                    warnings.warn("tie_word_embeddings is true but the checkpoint's lm_head.weight "
+                                  "differs from the embeddings: using lm_head.weight (as transformers does)")
+                self.lm_head = lm_head
+        self.layers: list[Layer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.layers.append(Layer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv_w=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_b=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if c.attention_bias else None,
+                o_w=w(a + "o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_w=w(p + "mlp.down_proj.weight"),
+                o_b=w(a + "o_proj.bias") if c.attention_bias and c.model_type == "llama" else None,
+            ))
+        self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.use_kernels = self.kernels_supported()
+
+    def kernels_supported(self) -> bool:
+        """The eager kernel path needs CUDA, the built kernels, bf16 and a head dim they are built for."""
+        return (self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16
+                and self.config.head_dim in KERNEL_HEAD_DIMS)
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        if batch < 1 or capacity < 1:
+            raise ValueError(f"cache batch ({batch}) and capacity ({capacity}) must be >= 1")
+        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        return KVCache(k=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers],
+                       v=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers])
+
+    # ---- the layer loop, shared by prefill and decode --------------------------------------------
+
+    def _forward(self, tokens: torch.Tensor, attend, ops) -> torch.Tensor:
+        """tokens [M] -> logits [M, V] fp32. attend(layer, q [M,H,D], k [M,Hkv,D], v [M,Hkv,D])
+        applies RoPE, writes the cache and returns the attention output [M, H*D]."""
+        c = self.config
+        H, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        M = tokens.shape[0]
+        x = F.embedding(tokens, self.embed)  # [M, Hd]
+        # The residual stream starts at zero so every layer opens with the same fused add + norm
+        # (0 + x is exact in any dtype).
+        residual = torch.zeros_like(x)  # [M, Hd]
+        delta = x  # what the next norm adds into the residual
+        for i, layer in enumerate(self.layers):
+            h, residual = ops.add_norm(delta, residual, layer.input_norm, eps)  # [M, Hd]
+            qkv = ops.linear(h, layer.qkv_w, layer.qkv_b)  # [M, (H + 2*Hkv) * D]
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            attn = attend(i, q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D))  # [M, H*D]
+            attn = ops.linear(attn, layer.o_w, layer.o_b)  # [M, Hd]
+            h, residual = ops.add_norm(attn, residual, layer.post_norm, eps)  # [M, Hd]
+            gate_up = ops.linear(h, layer.gate_up_w)  # [M, 2*I]
+            delta = ops.linear(ops.silu_mul(gate_up), layer.down_w)  # [M, Hd]
+        h, _ = ops.add_norm(delta, residual, self.final_norm, eps)  # [M, Hd]
+        return ops.linear(h, self.lm_head).float()  # [M, V]
+
+    # ---- prefill: the whole prompt of one sequence -----------------------------------------------
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+        """tokens [T] at positions 0..T-1 of batch slot `slot` -> logits [T, V] fp32; writes cache
+        rows 0..T-1 of that slot."""
+        c = self.config
+        tokens = torch.as_tensor(tokens).to(self.device, torch.long)
+        if tokens.dim() != 1 or tokens.shape[0] < 1:
+            raise ValueError(f"prefill takes a non-empty 1-D token tensor, got shape {list(tokens.shape)}")
+        T = tokens.shape[0]
+        if T > cache.capacity:
+            raise ValueError(f"prompt of {T} tokens exceeds the KV cache capacity of {cache.capacity} tokens")
+        if T > c.max_position_embeddings:
+            raise ValueError(f"prompt of {T} tokens exceeds the model's context of "
+                             f"max_position_embeddings={c.max_position_embeddings} tokens")
+        if not 0 <= slot < cache.batch:
+            raise ValueError(f"slot {slot} is outside the cache batch of {cache.batch}")
+        H, D = c.num_attention_heads, c.head_dim
+        positions = torch.arange(T, device=self.device)  # [T]
+
+        def attend(i, q, k, v):  # q [T,H,D], k/v [T,Hkv,D] -> [T, H*D]
+            k_cache, v_cache = cache.k[i], cache.v[i]  # [B, Hkv, S, D]
+            if self.use_kernels:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+                # Every token row writes the same slot (batch stride 0) at its own position.
+                torch.ops.decodex.rope_append(
+                    q, k, v, self.inv_freq, positions.to(torch.int32),
+                    k_cache[slot:slot + 1].expand(T, -1, -1, -1),
+                    v_cache[slot:slot + 1].expand(T, -1, -1, -1))  # q, k rotated in place
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+                    k_cache[slot:slot + 1, :, :T], v_cache[slot:slot + 1, :, :T],  # [1, Hkv, T, D]
+                    is_causal=True, scale=self.scale, enable_gqa=True)  # [1, H, T, D]
+                return o[0].transpose(0, 1).reshape(T, H * D)
+            q = reference.rope(q, positions, self.inv_freq)
+            k = reference.rope(k, positions, self.inv_freq)
+            k_cache[slot, :, :T] = k.transpose(0, 1)
+            v_cache[slot, :, :T] = v.transpose(0, 1)
+            return reference.causal_attention(q, k, v, self.scale).reshape(T, H * D)
+
+        return self._forward(tokens, attend, _KernelOps if self.use_kernels else _ReferenceOps)
+
+    # ---- decode: one token for each sequence of the batch ----------------------------------------
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B] at positions [B] -> logits [B, V] fp32. Row b attends over cache rows
+        0..positions[b] of slot b after writing its own; rows with positions < 0 are skipped
+        (their logits are meaningless)."""
+        c = self.config
+        tokens = torch.as_tensor(tokens).to(self.device, torch.long)
+        positions = torch.as_tensor(positions).to(self.device, torch.int32)
+        B = tokens.shape[0]
+        if tokens.dim() != 1 or positions.shape != tokens.shape:
+            raise ValueError(f"decode takes tokens [B] and positions [B], got {list(tokens.shape)} "
+                             f"and {list(positions.shape)}")
+        if B > cache.batch:
+            raise ValueError(f"decode batch {B} exceeds the cache batch of {cache.batch}")
+        limit = min(cache.capacity, c.max_position_embeddings)
+        last = int(positions.max())  # eager path: one host sync per step is acceptable here
+        if last >= limit:
+            what = (f"the KV cache capacity of {cache.capacity}" if cache.capacity <= c.max_position_embeddings
+                    else f"the model's context of max_position_embeddings={c.max_position_embeddings}")
+            raise ValueError(f"position {last} is past {what} tokens")
+        tokens = torch.where(positions >= 0, tokens, 0)  # skipped rows may hold any token id
+        lengths = (positions + 1).clamp(min=0)  # [B] int32: cache rows each query attends over
+        H, D = c.num_attention_heads, c.head_dim
+        if self.use_kernels:
+            from decodex import ops
+            workspace = ops.attention_workspace(B, H, c.num_key_value_heads, D, cache.capacity, self.device)
+
+        def attend(i, q, k, v):  # q [B,H,D], k/v [B,Hkv,D] -> [B, H*D]
+            k_cache, v_cache = cache.k[i][:B], cache.v[i][:B]  # [B, Hkv, S, D]
+            if self.use_kernels:
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+                torch.ops.decodex.rope_append(q, k, v, self.inv_freq, positions, k_cache, v_cache)
+                out = torch.empty_like(q)
+                torch.ops.decodex.decode_attention(q, k_cache, v_cache, lengths, self.scale, workspace, out)
+                return out.reshape(B, H * D)
+            q, _ = reference.rope_append(q, k, v, self.inv_freq, positions, k_cache, v_cache)
+            return reference.decode_attention(q, k_cache, v_cache, lengths, self.scale).reshape(B, H * D)
+
+        return self._forward(tokens, attend, _KernelOps if self.use_kernels else _ReferenceRowOps)

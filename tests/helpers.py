@@ -1,0 +1,108 @@
+"""Tiny random checkpoints and models shared by the tests.
+
+make_tiny_checkpoint: an HF directory written by transformers (the real file layout, config dialect
+and tensor names), plus the HF model to compare with. tiny_config / random_weights: a decodex
+ModelConfig and HF-named weights without transformers (fast; any head dim, e.g. 64/128 for kernels).
+
+Weights are re-drawn at unit scale (HF's std-0.02 init makes every logit ~0 and comparisons
+meaningless), with non-trivial norm weights and biases so a dropped one shows up.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from decodex.config import ModelConfig
+
+# CPU test sizes: small, with head_dim * heads != hidden so head_dim is really read from the config.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+            rms_norm_eps=1e-6, rope_theta=10000.0)
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def _randomize_(named_params, generator: torch.Generator):
+    """Unit-scale re-init in place: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
+    norms ~ 1 + 0.1 N(0, 1), biases ~ 0.2 N(0, 1)."""
+    with torch.no_grad():
+        for name, p in named_params:
+            r = torch.randn(p.shape, generator=generator, dtype=torch.float32)
+            if "norm" in name:
+                r = 1.0 + 0.1 * r
+            elif name.endswith("bias"):
+                r = 0.2 * r
+            elif "embed_tokens" in name:
+                pass
+            else:
+                r = r / p.shape[-1] ** 0.5
+            p.copy_(r.to(p.dtype))
+
+
+def hf_config(model_type: str, tied: bool = False, rope_scaling: dict | None = None, **overrides):
+    """A transformers Qwen2Config / LlamaConfig of the TINY sizes (overrides win)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    kwargs = dict(TINY, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(rope_scaling, rope_theta=kwargs["rope_theta"])
+    if model_type == "qwen2":
+        return Qwen2Config(**kwargs)
+    if model_type == "llama":
+        return LlamaConfig(**kwargs)
+    raise ValueError(f"model_type {model_type!r}")
+
+
+def make_tiny_checkpoint(tmp_path, model_type: str = "llama", tied: bool = False, sharded: bool = False,
+                         rope_scaling: dict | None = None, dtype: torch.dtype = torch.float32,
+                         head_dim: int = 32, seed: int = 0, **overrides):
+    """Writes a random tiny HF checkpoint to tmp_path/<name> with save_pretrained (safetensors;
+    `sharded`: several shards + model.safetensors.index.json). Returns (path, hf_model): the HF model
+    in fp32 eval mode with eager attention, holding exactly the saved (dtype-rounded) weights."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    cfg = hf_config(model_type, tied=tied, rope_scaling=rope_scaling, head_dim=head_dim, **overrides)
+    cfg._attn_implementation = "eager"
+    cls = Qwen2ForCausalLM if model_type == "qwen2" else LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    _randomize_(model.named_parameters(), torch.Generator().manual_seed(seed))
+    model = model.to(dtype).eval()
+    name = f"{model_type}{'-tied' if tied else ''}{'-sharded' if sharded else ''}-{str(dtype)[6:]}-d{head_dim}"
+    path = os.path.join(os.fspath(tmp_path), name)
+    # Shards of ~48 KB: the tiny model splits into several files.
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="48KB" if sharded else "10GB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json")) == sharded
+    # A fresh fp32 model with the saved weights: `.float()` on the saved one would keep its RoPE
+    # inv_freq buffer rounded to `dtype`, which HF computes in fp32 when it loads a checkpoint.
+    reference = cls(cfg).eval()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return path, reference
+
+
+def tiny_config(model_type: str = "llama", tied: bool = False, rope_scaling: dict | None = None,
+                **overrides) -> ModelConfig:
+    """A decodex ModelConfig of the TINY sizes, without transformers."""
+    raw = dict(TINY, model_type=model_type, tie_word_embeddings=tied, rope_scaling=rope_scaling,
+               bos_token_id=1, eos_token_id=2)
+    raw.update(overrides)
+    return ModelConfig.from_dict(raw, source="<tiny_config>")
+
+
+def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """HF-named random weights of every tensor `config` needs, at unit scale, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {name: torch.empty(shape) for name, shape in config.weight_shapes().items()}
+    _randomize_(weights.items(), g)
+    return {name: t.to(dtype) for name, t in weights.items()}
+
+
+def random_model(model_type: str = "llama", device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
+    """A decodex Model with random weights of the TINY sizes (overrides win)."""
+    from decodex.model import Model
+
+    config = tiny_config(model_type, **overrides)
+    return Model(config, random_weights(config, seed), device, dtype)

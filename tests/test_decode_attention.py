@@ -1,0 +1,369 @@
+"""decode_attention (flash-decoding over a bf16 KV cache) against decodex.reference.decode_attention.
+
+GPU tests compare every output element with the fp32 reference (run on the GPU in fp32 on the same
+bf16 values), with the cache rows past each sequence's length poisoned (NaN V, huge K) so a read of
+them shows up, the output and workspace NaN-filled before the call, and lengths read on the device
+(a CUDA graph replayed while they grow). CPU tests: the schemas, the split heuristic, the fake impl,
+the dispatcher's answer to CPU tensors, and a hand-computed example of the reference.
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodex import _ext, reference
+
+# (H, Hkv): Qwen2.5-1.5B (group 6), plain multi-head, Qwen2.5-7B (group 7), group 4 on one KV head.
+HEADS = [(12, 2), (8, 8), (28, 4), (4, 1)]
+# Groups over 8 query heads take several head blocks per KV head (one partial).
+BIG_GROUPS = [(20, 2), (32, 1)]
+HEAD_DIMS = [64, 128]
+# One sequence of each length (capacity CAPACITY: odd, so no split size divides it) ...
+LENGTHS = [1, 2, 127, 128, 129, 4095]
+CAPACITY = 4099
+# ... and batches that mix lengths, an inactive (0) sequence among them.
+MIXED = [[0, 129, 4095], [127, 1, 2], [4099, 0, 128]]
+LONG = 32768  # long-context cases: capacity LONG + 5
+# DECODEX_TEST_QUICK (set for the compute-sanitizer runs): fewer cases, no 32K ones.
+QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
+if QUICK:
+    LENGTHS, MIXED = [1, 129, 4095], MIXED[:1]
+
+# bf16 tolerance vs the fp32 reference. The output is rounded to bf16 (2^-9 relative, i.e. up to
+# 0.008 at |out| in [2, 4)), and P is rounded to bf16 before the tensor-core P.V product (as flash
+# attention does; ~2^-9 of each weight, averaging out over the tokens): 2 bf16 ulps relative plus
+# a small absolute floor for outputs near 0.
+TOL = {torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+needs_ext = pytest.mark.skipif(not _ext.available(),
+                               reason=f"needs the built kernels: {_ext.why_unavailable()}")
+
+
+def _ops():
+    return torch.ops.decodex
+
+
+def _splits(batch, kv_heads, capacity, device="cuda"):
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return _ops().decode_attention_splits(batch, kv_heads, capacity, sms)
+
+
+def make_inputs(lengths, H, Hkv, D, S, *, grow_to=None, q_scale=2.0, device="cuda"):
+    """q [B,H,D] and caches [B,Hkv,S,D] in bf16, fresh N(0,1) values (q scaled so the softmax is
+    peaked, not uniform). Cache rows at and past max(length, grow_to[b]) are poisoned: K huge (a
+    read key would take all the weight), V NaN."""
+    B = len(lengths)
+    q = (torch.randn(B, H, D, device=device) * q_scale).to(torch.bfloat16)
+    k = torch.randn(B, Hkv, S, D, device=device).to(torch.bfloat16)
+    v = torch.randn(B, Hkv, S, D, device=device).to(torch.bfloat16)
+    for b, length in enumerate(lengths):
+        live = max(length, grow_to[b] if grow_to else 0, 0)
+        if live < S:
+            k[b, :, live:] = 3e4
+            v[b, :, live:] = float("nan")
+    return q, k, v
+
+
+def ref_fp32(q, k, v, lengths, scale):
+    """The reference's math in fp32 on the exact bf16 values (unrounded output), on q's device."""
+    return reference.decode_attention(q.float(), k.float(), v.float(), lengths, scale)
+
+
+def run_op(q, k, v, lengths, scale, splits_extra=0):
+    """The op into NaN-poisoned out and workspace buffers; returns out."""
+    B, H, D = q.shape
+    splits = _splits(B, k.shape[1], k.shape[2])
+    ws = torch.full((B, H, splits + splits_extra, D + 2), float("nan"), device=q.device)
+    out = torch.full_like(q, float("nan"))
+    _ops().decode_attention(q, k, v, lengths, scale, ws, out)
+    return out
+
+
+def check(out, want):
+    assert torch.isfinite(out).all(), "NaN/inf in the output: an element unwritten or a poisoned row read"
+    torch.testing.assert_close(out.float(), want.float(), **TOL[out.dtype])
+
+
+# ---------------------------------------------------------------- GPU: correctness
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("lengths", [[n] for n in LENGTHS] + MIXED, ids=str)
+def test_matches_reference(lengths, H, Hkv, D):
+    q, k, v = make_inputs(lengths, H, Hkv, D, CAPACITY)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(QUICK, reason="DECODEX_TEST_QUICK: no 32K cases")
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", HEADS)
+def test_long_context(H, Hkv, D):
+    lengths = [LONG, 12345]
+    q, k, v = make_inputs(lengths, H, Hkv, D, LONG + 5)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", BIG_GROUPS)
+def test_groups_over_eight_heads(H, Hkv, D):
+    lengths = [129, 0, 4095]
+    q, k, v = make_inputs(lengths, H, Hkv, D, CAPACITY)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+def test_error_at_most_twice_torch_bf16():
+    """flash-attention's criterion: the kernel's max error vs the fp32 reference is at most ~2x
+    that of torch's own bf16 SDPA on the same inputs (plus half a bf16 ulp at 1 as a floor)."""
+    H, Hkv, D = 12, 2, 128
+    for length in (129, 4095) if QUICK else (129, 4095, LONG):
+        q, k, v = make_inputs([length], H, Hkv, D, length)
+        lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+        scale = 1 / math.sqrt(D)
+        want = ref_fp32(q, k, v, lens, scale)
+        ours = run_op(q, k, v, lens, scale).float()
+        sdpa = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+        err_ours = (ours - want).abs().max().item()
+        err_torch = (sdpa.squeeze(2).float() - want).abs().max().item()
+        assert err_ours <= 2 * err_torch + 2e-3, (length, err_ours, err_torch)
+
+
+@pytest.mark.gpu
+def test_lengths_past_capacity_are_clamped():
+    """lengths[b] > S reads only the S rows (the next batch's memory is NaN); negative = inactive."""
+    H, Hkv, D, S = 12, 2, 128, 257
+    lengths = [S + 7, S, 1 << 30, -3]
+    B = len(lengths)
+    q, k_all, v_all = make_inputs([S] * (B + 1), H, Hkv, D, S)
+    k_all[B] = float("nan")
+    v_all[B] = float("nan")
+    k, v = k_all[:B], v_all[:B]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    out = run_op(q[:B], k, v, lens, scale)
+    want = ref_fp32(q[:B], k, v, lens, scale)  # the reference clamps by slicing
+    check(out, want)
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.gpu
+def test_batch_strides_and_oversized_workspace():
+    """Caches as every other batch of a larger buffer (the gaps NaN), a stride-0 (expanded) cache,
+    q as a slice of a wider buffer, and a workspace with more split slots than needed."""
+    H, Hkv, D, S = 28, 4, 64, 1000
+    lengths = [1000, 0, 333]
+    B = len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    q_wide = (torch.randn(B, H + 4, D, device="cuda") * 2).to(torch.bfloat16)
+    q = q_wide[:, :H]
+    k_all = torch.full((2 * B, Hkv, S, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_all = torch.full_like(k_all, float("nan"))
+    _, k_live, v_live = make_inputs(lengths, H, Hkv, D, S)
+    k_all[::2], v_all[::2] = k_live, v_live
+    k, v = k_all[::2], v_all[::2]
+    assert k.stride(0) == 2 * Hkv * S * D
+    check(run_op(q, k, v, lens, scale, splits_extra=3), ref_fp32(q, k, v, lens, scale))
+
+    _, k1, v1 = make_inputs([S], H, Hkv, D, S)
+    k, v = k1.expand(B, -1, -1, -1), v1.expand(B, -1, -1, -1)
+    assert k.stride(0) == 0
+    lens = torch.tensor([5, 999, 1000], dtype=torch.int32, device="cuda")
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_as_lengths_grow():
+    """Capture once; between replays lengths grow on the device (crossing split boundaries, one
+    sequence starting inactive); each replay matches the reference at the current lengths."""
+    H, Hkv, D, S = 12, 2, 128, 1000
+    start, step, replays = [120, 0, 250], [1, 1, 3], 12
+    final = [s + d * replays for s, d in zip(start, step)]
+    q, k, v = make_inputs(start, H, Hkv, D, S, grow_to=final)
+    lens = torch.tensor(start, dtype=torch.int32, device="cuda")
+    inc = torch.tensor(step, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    ws = torch.full((3, H, _splits(3, Hkv, S), D + 2), float("nan"), device="cuda")
+    out = torch.full_like(q, float("nan"))
+
+    def call():
+        _ops().decode_attention(q, k, v, lens, scale, ws, out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        ws.fill_(float("nan"))
+        graph.replay()
+        check(out, ref_fp32(q, k, v, lens, scale))
+        lens.add_(inc)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_opcheck_cuda():
+    H, Hkv, D, S = 12, 2, 128, 300
+    lengths = [300, 17]
+    q, k, v = make_inputs(lengths, H, Hkv, D, S)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    ws = torch.empty(2, H, _splits(2, Hkv, S), D + 2, device="cuda")
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.decodex.decode_attention.default, (q, k, v, lens, 0.125, ws, out))
+
+
+# ---------------------------------------------------------------- GPU: argument checks
+
+
+def _valid_args(D=128, H=12, Hkv=2, S=64, B=2):
+    q = torch.randn(B, H, D, device="cuda").to(torch.bfloat16)
+    k = torch.randn(B, Hkv, S, D, device="cuda").to(torch.bfloat16)
+    v = torch.randn_like(k)
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    ws = torch.empty(B, H, _splits(B, Hkv, S), D + 2, device="cuda")
+    out = torch.empty_like(q)
+    return [q, k, v, lens, 0.1, ws, out]
+
+
+@pytest.mark.gpu
+def test_rejects_unsupported_head_dim():
+    with pytest.raises(RuntimeError, match="head dim D = 96"):
+        _ops().decode_attention(*_valid_args(D=96))
+
+
+@pytest.mark.gpu
+def test_rejects_heads_not_multiple_of_kv_heads():
+    args = _valid_args(H=12, Hkv=2)
+    args[1] = torch.randn(2, 5, 64, 128, device="cuda").to(torch.bfloat16)
+    args[2] = torch.randn_like(args[1])
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        _ops().decode_attention(*args)
+
+
+@pytest.mark.gpu
+def test_rejects_int64_lengths():
+    args = _valid_args()
+    args[3] = args[3].long()
+    with pytest.raises(RuntimeError, match="lengths must have dtype"):
+        _ops().decode_attention(*args)
+
+
+@pytest.mark.gpu
+def test_rejects_small_workspace():
+    S = 1 << 15
+    args = _valid_args(S=S)
+    splits = _splits(2, 2, S)
+    assert splits > 1
+    args[5] = torch.empty(2, 12, splits - 1, 130, device="cuda")
+    with pytest.raises(RuntimeError, match="workspace has room for"):
+        _ops().decode_attention(*args)
+
+
+@pytest.mark.gpu
+def test_rejects_wrong_out_shape():
+    args = _valid_args()
+    args[6] = torch.empty(2, 12, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out must have shape"):
+        _ops().decode_attention(*args)
+
+
+@pytest.mark.gpu
+def test_rejects_cpu_lengths_and_bad_cache_strides():
+    args = _valid_args()
+    args[3] = args[3].cpu()
+    with pytest.raises(RuntimeError, match="lengths must be a CUDA tensor"):
+        _ops().decode_attention(*args)
+    args = _valid_args()
+    args[1] = args[1].transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hkv, S, D] view, S outer
+    with pytest.raises(RuntimeError, match="k_cache must be contiguous in its inner three dims"):
+        _ops().decode_attention(*args)
+
+
+# ---------------------------------------------------------------- CPU
+
+
+@needs_ext
+def test_schemas_registered():
+    schema = str(torch.ops.decodex.decode_attention.default._schema)
+    assert "Tensor(a!) workspace" in schema and "Tensor(b!) out" in schema and "float scale" in schema
+    assert "-> int" in str(torch.ops.decodex.decode_attention_splits.default._schema)
+
+
+@needs_ext
+def test_splits_heuristic_is_sane():
+    f = torch.ops.decodex.decode_attention_splits
+    sms = 132
+    prev = 0
+    for capacity in list(range(1, 2000, 7)) + [4095, 4096, 8192, 32768, 32769, 33793, 131072, 1 << 20]:
+        n = f(1, 2, capacity, sms)
+        assert 1 <= n <= max(1, math.ceil(capacity / 128)), (capacity, n)  # no absurd splits
+        assert n >= prev, "must not decrease as the capacity grows"
+        prev = n
+    for kv in (2, 4, 8):  # a long cache fills the GPU: at least one block per SM, at most ~2 waves
+        blocks = kv * f(1, kv, 131072, sms)
+        assert sms <= blocks <= 2 * sms + kv
+    assert f(64, 8, 131072, sms) == 1  # 512 (b, kv head) pairs already fill the GPU
+    assert f(1, 2, 32768, 132) >= f(4, 2, 32768, 132) >= f(16, 2, 32768, 132)
+    assert f(1, 2, 64, 132) == 1
+    with pytest.raises(RuntimeError, match="batch must be >= 1"):
+        f(0, 2, 100, sms)
+    with pytest.raises(RuntimeError, match="sm_count must be >= 1"):
+        f(1, 2, 100, 0)
+
+
+@needs_ext
+def test_fake_impl_traces():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 12, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 64, 128, dtype=torch.bfloat16)
+        lens = torch.empty(2, dtype=torch.int32)
+        ws = torch.empty(2, 12, 1, 130)
+        out = torch.empty_like(q)
+        assert torch.ops.decodex.decode_attention(q, k, k, lens, 0.1, ws, out) is None
+
+
+@needs_ext
+def test_cpu_tensors_are_rejected():
+    q = torch.randn(1, 4, 64).to(torch.bfloat16)
+    k = torch.randn(1, 1, 8, 64).to(torch.bfloat16)
+    lens = torch.tensor([8], dtype=torch.int32)
+    ws = torch.empty(1, 4, 1, 66)
+    out = torch.empty_like(q)
+    with pytest.raises((NotImplementedError, RuntimeError), match="CPU"):
+        torch.ops.decodex.decode_attention(q, k, k, lens, 0.125, ws, out)
+
+
+def test_reference_worked_example():
+    """By hand: q = [2, 2], keys [1,0], [0,1], [1,1], values [1,0], [0,1], [2,2], scale 1/sqrt(2):
+    scores sqrt(2) * [1, 1, 2], weights e^s / sum = [a, a, c], out = [a + 2c, a + 2c] ~ 1.5092.
+    A fourth, NaN row past the length must not matter."""
+    q = torch.tensor([[[2.0, 2.0]]])  # [B=1, H=1, D=2]
+    k = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [float("nan")] * 2]]])  # [1, 1, 4, 2]
+    v = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [float("nan")] * 2]]])
+    out = reference.decode_attention(q, k, v, torch.tensor([3], dtype=torch.int32), 1 / math.sqrt(2))
+    e1, e2 = math.exp(math.sqrt(2)), math.exp(2 * math.sqrt(2))
+    a, c = e1 / (2 * e1 + e2), e2 / (2 * e1 + e2)
+    expected = torch.tensor([[[a + 2 * c, a + 2 * c]]])
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert abs(out[0, 0, 0].item() - 1.5092) < 1e-4
+    zero = reference.decode_attention(q, k, v, torch.tensor([0], dtype=torch.int32), 1.0)
+    assert (zero == 0).all()

@@ -1,0 +1,337 @@
+"""decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]), bf16 in/out, fp32 accumulation.
+
+GPU tests compare every element to decodex.reference.gemv taken in fp32, over odd sizes, with and
+without bias, strided rows, every kernel variant (forced through DECODEX_GEMV_CONFIG), opcheck,
+CUDA-graph replay and every argument check. CPU tests check the schema, the fake impl and that CPU
+tensors are refused by the dispatcher.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decodex import _ext, reference
+
+QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # e.g. under compute-sanitizer: fewer sizes
+
+MS = [1, 2, 3, 5, 8]
+NS = [1, 7, 256, 769, 2048]
+KS = [8, 136, 1536, 8960]
+BIG_N = 151936  # the Qwen2.5 vocabulary: an lm_head-sized grid, only M = 1 and 8
+if QUICK:
+    MS, NS, KS = [1, 3, 8], [7, 769], [8, 136, 1544]
+
+# Tolerance, bf16 output vs the fp32 reference:
+#  * RTOL = 2^-8: rounding an fp32 value to bf16 (8 significant bits, round to nearest) moves it by
+#    at most half an ulp, i.e. 2^-8 of its magnitude;
+#  * plus an accumulation term: fp32 sums of K products in a different order than the reference
+#    differ by ~sqrt(K) * eps_fp32 * sum|x*w| (random walk); 8x that covers tensor-core adders that
+#    truncate instead of rounding.
+# On top, the 2x criterion: the worst error is at most twice PyTorch's own bf16 F.linear error.
+RTOL = 2.0**-8
+ACC_FACTOR = 8.0
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _skip_without_ext():
+    if not _ext.available():
+        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
+
+
+def _inputs(M, N, K, bias=True, device="cuda"):
+    """x ~ N(0, 1), weight ~ N(0, 1/K), bias ~ N(0, 0.25): outputs are O(1)."""
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+    b = (0.5 * torch.randn(N, device=device)).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+def _poisoned(M, N, device="cuda"):
+    return torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
+
+
+def _check(out, x, w, b):
+    """Every element of `out` finite and within tolerance of the fp32 reference; worst error at
+    most 2x PyTorch's own bf16 error."""
+    assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left) or overflowed"
+    ref = reference.gemv(x.float(), w.float(), None if b is None else b.float())  # fp32 [M, N]
+    K = x.shape[1]
+    mag = x.float().abs() @ w.float().abs().t()  # sum_k |x w|, [M, N]
+    atol = ACC_FACTOR * K**0.5 * EPS32 * mag + 1e-6
+    err = (out.float() - ref).abs()
+    bound = RTOL * ref.abs() + atol
+    bad = err > bound
+    if bad.any():
+        i = int((err - bound).argmax())
+        m, n = divmod(i, err.shape[1])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at [{m}, {n}]: "
+            f"got {float(out[m, n]):.6g}, reference {float(ref[m, n]):.6g}, bound {float(bound[m, n]):.3g}")
+    torch_err = (F.linear(x, w, b).float() - ref).abs().max()
+    assert err.max() <= 2 * torch_err + 1e-5, f"max error {float(err.max()):.3g} > 2x torch's {float(torch_err):.3g}"
+
+
+def _gemv(x, w, b, out):
+    torch.ops.decodex.gemv(x, w, b, out)
+    return out
+
+
+# ---------------------------------------------------------------- GPU: values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_values(M, N, K, bias):
+    x, w, b = _inputs(M, N, K, bias)
+    out = _gemv(x, w, b, _poisoned(M, N))
+    _check(out, x, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(QUICK, reason="large: skipped in quick mode")
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_values_vocab_sized(M, K):
+    x, w, b = _inputs(M, BIG_N, K, bias=(K == 1536))
+    out = _gemv(x, w, b, _poisoned(M, BIG_N))
+    _check(out, x, w, b)
+    del w
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_gemv_strided_rows(M):
+    """x, weight and out as row slices of wider buffers; the padding of out stays untouched."""
+    N, K = 769, 1544
+    x_buf = torch.randn(M, K + 24, device="cuda").to(torch.bfloat16)
+    w_buf = (torch.randn(N, K + 16, device="cuda") / K**0.5).to(torch.bfloat16)
+    x, w = x_buf[:, 8 : 8 + K], w_buf[:, 8 : 8 + K]  # 16-byte aligned offsets and row strides
+    b = torch.randn(2 * N, device="cuda").to(torch.bfloat16)[::2].contiguous()
+    out_buf = torch.full((M, N + 5), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = out_buf[:, :N]  # row stride N + 5: odd, allowed (out is written with scalar stores)
+    _gemv(x, w, b, out)
+    _check(out, x, w, b)
+    assert torch.isnan(out_buf[:, N:]).all(), "gemv wrote outside out's view"
+
+
+@pytest.mark.gpu
+def test_gemv_size1_strides_ignored():
+    """M = 1 / N = 1: the stride of a size-1 dim carries no meaning and is not checked."""
+    K = 136
+    x = torch.randn(K, device="cuda").to(torch.bfloat16).as_strided((1, K), (3, 1))
+    w = (torch.randn(K, device="cuda") / 4).to(torch.bfloat16).as_strided((1, K), (5, 1))
+    out = torch.full((1,), float("nan"), device="cuda", dtype=torch.bfloat16).as_strided((1, 1), (7, 5))
+    _gemv(x, w, None, out)
+    _check(out, x, w, None)
+
+
+# Every variant of the kernel, forced: (wr, wk, c, u). Includes spare warps (wr > tiles left),
+# clusters of every size, k-ranges with no steps (wk * c > ceil(K / 32)), both unrolls.
+CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,4,2,4", "2,2,4,8",
+           "1,5,8,4", "8,1,8,8", "1,8,8,4", "2,4,3,4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
+def test_gemv_every_variant(monkeypatch, config, M, N, K):
+    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    x, w, b = _inputs(M, N, K, bias=True)
+    out = _gemv(x, w, b, _poisoned(M, N))
+    torch.cuda.synchronize()
+    _check(out, x, w, b)
+
+
+@pytest.mark.gpu
+def test_gemv_bad_config_override(monkeypatch):
+    x, w, b = _inputs(2, 64, 64)
+    for bad in ["3,3,1,4", "1,1,16,4", "1,1,1,5", "nonsense"]:
+        monkeypatch.setenv("DECODEX_GEMV_CONFIG", bad)
+        with pytest.raises(RuntimeError, match="DECODEX_GEMV_CONFIG"):
+            _gemv(x, w, b, _poisoned(2, 64))
+
+
+@pytest.mark.gpu
+def test_gemv_deterministic_and_m_independent():
+    """Same inputs: bitwise the same output twice; and row m of an M = 8 call equals the M = 1 call
+    on that row (each output is one fixed-order fp32 sum, whatever M)."""
+    N, K = 2048, 1536
+    x, w, b = _inputs(8, N, K)
+    out1 = _gemv(x, w, b, _poisoned(8, N))
+    out2 = _gemv(x, w, b, _poisoned(8, N))
+    assert torch.equal(out1, out2)
+    for m in (0, 5):
+        row = _gemv(x[m : m + 1].contiguous(), w, b, _poisoned(1, N))
+        torch.testing.assert_close(row, out1[m : m + 1], rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gemv_opcheck():
+    x, w, b = _inputs(3, 256, 136)
+    out = _poisoned(3, 256)
+    torch.library.opcheck(torch.ops.decodex.gemv.default, (x, w, b, out))
+    torch.library.opcheck(torch.ops.decodex.gemv.default, (x, w, None, out))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 256, 1536), (8, 2048, 1536), (5, 769, 8960)])
+def test_gemv_cuda_graph(M, N, K):
+    """Captured once, replayed with x changed in place: the output follows x."""
+    x, w, b = _inputs(M, N, K)
+    out = _poisoned(M, N)
+    _gemv(x, w, b, out)  # warm-up outside capture (config choice, occupancy queries)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _gemv(x, w, b, out)
+    for _ in range(3):
+        x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, w, b)
+
+
+# ---------------------------------------------------------------- GPU: argument checks
+
+
+def _err(match, x, w, b, out, exc=RuntimeError):
+    with pytest.raises(exc, match=match):
+        torch.ops.decodex.gemv(x, w, b, out)
+
+
+@pytest.mark.gpu
+def test_gemv_rejects_k_not_multiple_of_8():
+    x, w, _ = _inputs(2, 16, 16)
+    _err(r"K.*multiple of 8.*K = 12", x[:, :12].contiguous(), w[:, :12].contiguous(), None, _poisoned(2, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [0, 9, 16])
+def test_gemv_rejects_m(M):
+    x = torch.randn(M, 64, device="cuda").to(torch.bfloat16)
+    w = torch.randn(32, 64, device="cuda").to(torch.bfloat16)
+    _err(r"M = 1\.\.8.*M = " + str(M), x, w, None, _poisoned(M, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("which", ["x", "weight", "out", "bias"])
+def test_gemv_rejects_dtype(which, dtype):
+    x, w, b = _inputs(2, 32, 64)
+    out = _poisoned(2, 32)
+    args = dict(x=x, weight=w, bias=b, out=out)
+    args[which] = args[which].to(dtype)
+    _err(rf"{which} must have dtype", args["x"], args["weight"], args["bias"], args["out"])
+
+
+@pytest.mark.gpu
+def test_gemv_rejects_shapes():
+    x, w, b = _inputs(2, 32, 64)
+    _err(r"out must have shape", x, w, b, _poisoned(2, 33))
+    _err(r"out must have shape", x, w, b, _poisoned(3, 32))
+    _err(r"out must be 2-D", x, w, b, _poisoned(2, 32)[0])
+    _err(r"weight must have shape \[N, K\]", x, w[:, :56].contiguous(), b, _poisoned(2, 32))
+    _err(r"bias must have shape \[N\]", x, w, torch.zeros(33, device="cuda", dtype=torch.bfloat16), _poisoned(2, 32))
+    _err(r"bias must have shape \[N\]", x, w, b[None], _poisoned(2, 32))
+    _err(r"x must be 2-D", x[None], w, b, _poisoned(2, 32))
+    _err(r"weight must be 2-D", x, w[None], b, _poisoned(2, 32))
+
+
+@pytest.mark.gpu
+def test_gemv_rejects_devices():
+    x, w, b = _inputs(2, 32, 64)
+    out = _poisoned(2, 32)
+    _err(r"x must be a CUDA tensor", x.cpu(), w, b, out)
+    _err(r"weight must be a CUDA tensor", x, w.cpu(), b, out)
+    _err(r"out must be a CUDA tensor", x, w, b, out.cpu())
+    _err(r"bias must be a CUDA tensor", x, w, b.cpu(), out)
+    if torch.cuda.device_count() > 1:
+        _err(r"must be on the same device", x, w.to("cuda:1"), b, out)
+        _err(r"must be on the same device", x, w, b.to("cuda:1"), out)
+
+
+@pytest.mark.gpu
+def test_gemv_rejects_layouts():
+    M, N, K = 2, 32, 64
+    x, w, b = _inputs(M, N, K)
+    out = _poisoned(M, N)
+    # Misaligned storage offsets: 2 bytes past a 16-byte boundary.
+    x_mis = torch.empty(M * K + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + M * K].view(M, K)
+    w_mis = torch.empty(N * K + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + N * K].view(N, K)
+    _err(r"x must be 16-byte aligned", x_mis, w, b, out)
+    _err(r"weight must be 16-byte aligned", x, w_mis, b, out)
+    # weight[:, 1:] slicing: K of 65 - 1 = 64 but rows 65 elements apart and misaligned.
+    w65 = torch.randn(N, K + 1, device="cuda").to(torch.bfloat16)
+    _err(r"weight rows", x, w65[:, 1:], b, out)
+    # Row strides that break 16-byte row alignment, overlapping rows, non-contiguous last dims.
+    _err(r"x rows", torch.randn(M, K + 4, device="cuda").to(torch.bfloat16)[:, :K], w, b, out)
+    _err(r"weight rows", x, torch.randn(N, K + 4, device="cuda").to(torch.bfloat16)[:, :K], b, out)
+    _err(r"x rows", x.as_strided((M, K), (8, 1)), w, b, out)
+    _err(r"out rows", x, w, b, out.as_strided((M, N), (8, 1)))
+    _err(r"x must have a contiguous last dim", x.t().contiguous().t(), w, b, out)
+    _err(r"weight must have a contiguous last dim", x, w.t().contiguous().t(), b, out)
+    _err(r"out must have a contiguous last dim", x, w, b, out.t().contiguous().t())
+    _err(r"bias must be contiguous", x, w, torch.randn(2 * N, device="cuda").to(torch.bfloat16)[::2], out)
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def test_gemv_schema():
+    _skip_without_ext()
+    schema = str(torch.ops.decodex.gemv.default._schema)
+    assert schema == "decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", schema
+
+
+def test_gemv_fake_tensor_mode():
+    """Traceable without a GPU: fake CUDA tensors go through the registered fake impl."""
+    _skip_without_ext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(769, 136, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(769, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(3, 769, device="cuda", dtype=torch.bfloat16)
+        assert torch.ops.decodex.gemv(x, w, b, out) is None
+        assert torch.ops.decodex.gemv(x, w, None, out) is None
+
+
+def test_gemv_meta_opcheck():
+    """opcheck (schema, fake impl, autograd registration) on meta tensors: runs on a CPU machine."""
+    _skip_without_ext()
+    x = torch.empty(3, 136, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(769, 136, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(769, device="meta", dtype=torch.bfloat16)
+    out = torch.empty(3, 769, device="meta", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.decodex.gemv.default, (x, w, b, out),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_gemv_cpu_tensors_refused():
+    """No CPU kernel: CPU tensors stop at the dispatcher (the K check lives in the CUDA launcher)."""
+    _skip_without_ext()
+    x = torch.randn(2, 12).to(torch.bfloat16)  # K = 12 would also fail the launcher's check
+    w = torch.randn(4, 12).to(torch.bfloat16)
+    out = torch.empty(2, 4, dtype=torch.bfloat16)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        torch.ops.decodex.gemv(x, w, None, out)
+
+
+def test_reference_gemv_cpu():
+    """The reference (the CPU path) in fp32 and bf16 against a plain matmul."""
+    x, w, b = _inputs(3, 7, 136, device="cpu")
+    torch.testing.assert_close(reference.gemv(x.float(), w.float(), b.float()),
+                               x.float() @ w.float().t() + b.float())
+    y = reference.gemv(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 7)

@@ -1,0 +1,280 @@
+"""decodex.config / decodex.loader: every bad input fails with one LoadError (or ValueError for
+runtime limits) whose message names the file, field, tensor or limit; good inputs of each dialect
+and dtype load. CPU only, tiny checkpoints."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decodex.config import LoadError, ModelConfig
+from decodex.loader import load_model
+from helpers import make_tiny_checkpoint, random_model
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One single-file and one sharded tiny checkpoint, written once; tests edit copies."""
+    root = tmp_path_factory.mktemp("ckpt")
+    single, _ = make_tiny_checkpoint(root, "llama", tied=False, sharded=False)
+    sharded, _ = make_tiny_checkpoint(root, "qwen2", tied=False, sharded=True, dtype=torch.bfloat16)
+    return {"single": single, "sharded": sharded}
+
+
+def _copy(checkpoints, kind, tmp_path):
+    dst = os.path.join(tmp_path, kind)
+    shutil.copytree(checkpoints[kind], dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    for k, v in changes.items():
+        if v is _DELETE:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f)
+    return cfg_path
+
+
+_DELETE = object()
+
+
+def _load(path):
+    return load_model(path, device="cpu", dtype=torch.float32, quiet=True)
+
+
+# ---- config.json ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, words", [
+    (dict(model_type="mistral"), ["model_type", "mistral", "qwen2, llama"]),
+    (dict(hidden_size=_DELETE), ["hidden_size", "required"]),
+    (dict(num_hidden_layers="2"), ["num_hidden_layers", "integer"]),
+    (dict(num_key_value_heads=3), ["num_key_value_heads", "divide"]),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     ["rope_parameters.rope_type", "yarn"]),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), ["rope_scaling.rope_type", "linear"]),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0}), ["rope_scaling.original_max_position_embeddings"]),
+    (dict(mlp_bias=True), ["mlp_bias"]),
+    (dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
+])
+def test_bad_config_field(checkpoints, tmp_path, change, words):
+    path = _copy(checkpoints, "single", tmp_path)
+    cfg_path = _edit_config(path, **change)
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    msg = str(e.value)
+    for word in [cfg_path] + words:
+        assert word in msg, f"{word!r} not in {msg!r}"
+
+
+def test_qwen2_sliding_window_refused(checkpoints, tmp_path):
+    path = _copy(checkpoints, "sharded", tmp_path)
+    cfg_path = _edit_config(path, use_sliding_window=True, sliding_window=16)
+    with pytest.raises(LoadError, match="use_sliding_window") as e:
+        _load(path)
+    assert cfg_path in str(e.value)
+
+
+def test_malformed_config_json(checkpoints, tmp_path):
+    path = _copy(checkpoints, "single", tmp_path)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, "w") as f:
+        f.write('{"model_type": "llama", "hidden_size": 64,')  # cut off
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert cfg_path in str(e.value) and "malformed JSON" in str(e.value)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(LoadError, match="config.json"):
+        _load(tmp_path)
+
+
+def test_old_and_new_config_dialects():
+    """Llama 3.1 as published (rope_theta + rope_scaling beside it, torch_dtype, eos list), Llama 2
+    (no head_dim, no num_key_value_heads), transformers-5 rope_parameters: all parse alike."""
+    base = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=131072)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    old = ModelConfig.from_dict(dict(base, num_key_value_heads=8, rope_theta=500000.0, rope_scaling=scaling,
+                                     torch_dtype="bfloat16", eos_token_id=[128001, 128008, 128009],
+                                     bos_token_id=128000))
+    new = ModelConfig.from_dict(dict(base, num_key_value_heads=8, dtype="bfloat16",
+                                     rope_parameters=dict(scaling, rope_theta=500000.0),
+                                     eos_token_id=[128001, 128008, 128009], bos_token_id=128000))
+    assert old == new
+    assert old.rope_theta == 500000.0 and old.rope_scaling["rope_type"] == "llama3"
+    assert old.head_dim == 128 and old.torch_dtype == "bfloat16" and old.eos_token_id == [128001, 128008, 128009]
+    llama2 = ModelConfig.from_dict(dict(base, rope_scaling=None, eos_token_id=2))
+    assert llama2.num_key_value_heads == 32 and llama2.head_dim == 128 and llama2.eos_token_id == [2]
+    assert llama2.rope_theta == 10000.0 and llama2.rope_scaling is None and not llama2.attention_bias
+    qwen = ModelConfig.from_dict(dict(base, model_type="qwen2", tie_word_embeddings=True,
+                                      rope_theta=1000000.0, use_sliding_window=False, sliding_window=4096))
+    assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.rope_scaling is None
+
+
+# ---- safetensors files ---------------------------------------------------------------------------
+
+def test_loads_and_casts(checkpoints):
+    """bf16 sharded checkpoint -> fp32 (the CPU default) or bf16 on request; progress line printed."""
+    model = load_model(checkpoints["sharded"], device="cpu", quiet=True)
+    assert model.dtype == torch.float32 and model.embed.dtype == torch.float32
+    assert model.layers[0].qkv_b.dtype == torch.float32
+    bf16 = load_model(checkpoints["sharded"], device="cpu", dtype=torch.bfloat16, quiet=True)
+    assert bf16.layers[1].gate_up_w.dtype == torch.bfloat16
+    assert torch.equal(bf16.layers[1].gate_up_w.float(), model.layers[1].gate_up_w)
+
+
+def test_progress_line(checkpoints, capsys):
+    load_model(checkpoints["single"], device="cpu")
+    err = capsys.readouterr().err
+    assert "decodex: loaded" in err and "tensors" in err
+    load_model(checkpoints["single"], device="cpu", quiet=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_missing_tensor(checkpoints, tmp_path):
+    path = _copy(checkpoints, "single", tmp_path)
+    f = os.path.join(path, SINGLE)
+    tensors = load_file(f)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and f in str(e.value)
+
+
+def test_missing_tensor_in_shard(checkpoints, tmp_path):
+    """The index lists a tensor that its shard does not hold."""
+    path = _copy(checkpoints, "sharded", tmp_path)
+    with open(os.path.join(path, INDEX)) as fh:
+        shard = json.load(fh)["weight_map"]["model.layers.0.self_attn.k_proj.bias"]
+    f = os.path.join(path, shard)
+    tensors = load_file(f)
+    del tensors["model.layers.0.self_attn.k_proj.bias"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert "model.layers.0.self_attn.k_proj.bias" in str(e.value) and f in str(e.value)
+
+
+def test_misshaped_tensor(checkpoints, tmp_path):
+    path = _copy(checkpoints, "single", tmp_path)
+    f = os.path.join(path, SINGLE)
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 96)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    msg = str(e.value)
+    assert "model.layers.0.self_attn.o_proj.weight" in msg and f in msg
+    assert "[64, 96]" in msg and "[64, 128]" in msg  # got vs expected
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 6])  # data cut short; data cut by a few bytes; header cut
+def test_truncated_file(checkpoints, tmp_path, keep):
+    path = _copy(checkpoints, "single", tmp_path)
+    f = os.path.join(path, SINGLE)
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(keep if isinstance(keep, int) else int(size * keep))
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert f in str(e.value) and "truncated or corrupt" in str(e.value)
+
+
+def test_missing_shard(checkpoints, tmp_path):
+    path = _copy(checkpoints, "sharded", tmp_path)
+    shard = sorted(n for n in os.listdir(path) if n.startswith("model-"))[1]
+    os.remove(os.path.join(path, shard))
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert shard in str(e.value) and INDEX in str(e.value) and "missing shard" in str(e.value)
+
+
+def test_index_points_at_missing_file(checkpoints, tmp_path):
+    path = _copy(checkpoints, "sharded", tmp_path)
+    index_path = os.path.join(path, INDEX)
+    with open(index_path) as fh:
+        index = json.load(fh)
+    index["weight_map"]["model.norm.weight"] = "model-99999-of-99999.safetensors"
+    with open(index_path, "w") as fh:
+        json.dump(index, fh)
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert "model-99999-of-99999.safetensors" in str(e.value) and "model.norm.weight" in str(e.value)
+
+
+def test_no_weights(checkpoints, tmp_path):
+    path = _copy(checkpoints, "single", tmp_path)
+    os.remove(os.path.join(path, SINGLE))
+    with pytest.raises(LoadError, match=f"no {SINGLE} or {INDEX}"):
+        _load(path)
+
+
+def test_extra_tensors_ignored(checkpoints, tmp_path):
+    path = _copy(checkpoints, "single", tmp_path)
+    f = os.path.join(path, SINGLE)
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.randn(16)
+    save_file(tensors, f, metadata={"format": "pt"})
+    model = _load(path)
+    assert torch.equal(model.embed, tensors["model.embed_tokens.weight"])
+
+
+def test_tied_with_stored_lm_head(tmp_path):
+    """tie_word_embeddings with an lm_head.weight in the file: equal -> one tensor; different ->
+    the stored head is used, as transformers 5 does (it declines to tie)."""
+    path, _ = make_tiny_checkpoint(tmp_path, "llama", tied=True)
+    f = os.path.join(path, SINGLE)
+    tensors = load_file(f)
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, f, metadata={"format": "pt"})
+    model = _load(path)
+    assert model.lm_head is model.embed
+    tensors["lm_head.weight"] = torch.randn_like(tensors["lm_head.weight"])
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="lm_head.weight"):
+        model = _load(path)
+    assert torch.equal(model.lm_head, tensors["lm_head.weight"])
+
+
+# ---- runtime limits --------------------------------------------------------------------------------
+
+def test_prompt_longer_than_cache():
+    model = random_model("llama")
+    cache = model.new_cache(batch=1, capacity=16)
+    with pytest.raises(ValueError, match="17 tokens exceeds the KV cache capacity of 16"):
+        model.prefill(torch.zeros(17, dtype=torch.long), cache, 0)
+
+
+def test_prompt_longer_than_context():
+    model = random_model("qwen2", max_position_embeddings=12)
+    cache = model.new_cache(batch=1, capacity=32)
+    with pytest.raises(ValueError, match="max_position_embeddings=12"):
+        model.prefill(torch.zeros(13, dtype=torch.long), cache, 0)
+
+
+def test_decode_past_limits():
+    model = random_model("llama", max_position_embeddings=20)
+    small = model.new_cache(batch=2, capacity=8)
+    with pytest.raises(ValueError, match="position 8 is past the KV cache capacity of 8"):
+        model.decode(torch.zeros(2, dtype=torch.long), torch.tensor([3, 8], dtype=torch.int32), small)
+    big = model.new_cache(batch=1, capacity=64)
+    with pytest.raises(ValueError, match="max_position_embeddings=20"):
+        model.decode(torch.zeros(1, dtype=torch.long), torch.tensor([20], dtype=torch.int32), big)
+    with pytest.raises(ValueError, match="slot 2"):
+        model.prefill(torch.zeros(3, dtype=torch.long), small, 2)
