@@ -18,7 +18,13 @@ if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
             os.environ["CUDA_HOME"] = candidate
             break
 
+import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+
+# torch >= 2.13's headers need C++20; older torch is built as C++17 and its headers are compiled the
+# same way here (mixing the two breaks inline code shared with libtorch). DECODEX_CXX_STD overrides.
+_torch_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+CXX_STD = os.environ.get("DECODEX_CXX_STD", "c++20" if _torch_version >= (2, 13) else "c++17")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,7 +37,7 @@ if os.path.exists(_header_src):
 
 nvcc_flags = [
     "-O3",
-    "-std=c++20",
+    f"-std={CXX_STD}",
     "--expt-relaxed-constexpr",
     "-lineinfo",
     # torch hides bf16 conversions from nvcc; decodex converts explicitly, but re-enable the
@@ -53,7 +59,7 @@ setup(
             sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++20"],
+                "cxx": ["-O3", f"-std={CXX_STD}"],
                 "nvcc": nvcc_flags,
             },
             py_limited_api=True,

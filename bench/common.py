@@ -55,7 +55,7 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     dst = torch.empty_like(src)
     acc = torch.empty((), device="cuda", dtype=torch.float32)
     copy_us = time_graph([lambda: dst.copy_(src)], reps=10)
-    read_us = time_graph([lambda: torch.sum(src, out=acc)], reps=10)
+    read_us = time_graph([lambda: torch.sum(src, dim=0, out=acc)], reps=10)
     del src, dst
     torch.cuda.empty_cache()
     return max(2 * nbytes / copy_us, nbytes / read_us) / 1e3

@@ -25,7 +25,9 @@ if has build; then
   python3 -c "import torch, decodex; assert decodex._ext.available(), decodex._ext.why_unavailable(); print('import ok', torch.__version__, torch.cuda.get_device_name())"
 fi
 if has test; then
-  python3 -m pytest tests -q -rs -x --timeout=600 -p no:cacheprovider 2>&1 | tee "$OUT/test.log" | tail -40
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest ${PYTEST_ARGS:-tests} -q -rs --tb=short --timeout=180 \
+    -p no:cacheprovider --durations=15 > "$OUT/test.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-220 | head -60; tail -25 "$OUT/test.log" | cut -c1-300
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
@@ -37,8 +39,10 @@ if has sanitize; then
   done
 fi
 if has bench; then
-  python3 -m bench.run_all --out "$OUT/bench_ops.md" 2>&1 | tail -200
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.run_all --out "$OUT/bench_ops.md" > "$OUT/bench_ops.log" 2>&1
+  echo "bench exit $?"; cat "$OUT/bench_ops.md" 2>/dev/null | cut -c1-160 | head -150
 fi
 if has decode; then
-  python3 -m bench.decode ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.md" | tail -80
+  timeout "${DECODE_TIMEOUT:-300}" python3 -m bench.decode ${DECODE_ARGS:-} > "$OUT/bench_decode.md" 2>&1
+  echo "decode exit $?"; tail -60 "$OUT/bench_decode.md" | cut -c1-200
 fi

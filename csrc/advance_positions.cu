@@ -29,7 +29,7 @@ void advance_positions(at::Tensor& positions, at::Tensor& lengths) {
   DX_CHECK_SHAPE(lengths, positions.size(0));
   DX_CHECK_CONTIGUOUS(positions);
   DX_CHECK_CONTIGUOUS(lengths);
-  TORCH_CHECK(!positions.is_same(lengths) && positions.data_ptr() != lengths.data_ptr(),
+  DX_CHECK(!positions.is_same(lengths) && positions.data_ptr() != lengths.data_ptr(),
               "positions and lengths must be different buffers");
   const int64_t B = positions.size(0);
   if (B == 0) return;

@@ -75,17 +75,17 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
   DX_CHECK_CUDA(logits);
   DX_CHECK_CUDA(out);
   DX_CHECK_SAME_DEVICE(logits, out);
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+  DX_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
               "logits must have dtype BFloat16 or Float, got ", logits.scalar_type());
   DX_CHECK_DIM(logits, 2);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1 && V <= 0x7fffffff, "argmax: V = logits.size(1) must be in [1, 2^31), got ", V);
-  TORCH_CHECK(logits.stride(1) == 1 || V == 1, "logits must be contiguous along V, got strides ",
+  DX_CHECK(V >= 1 && V <= 0x7fffffff, "argmax: V = logits.size(1) must be in [1, 2^31), got ", V);
+  DX_CHECK(logits.stride(1) == 1 || V == 1, "logits must be contiguous along V, got strides ",
               logits.strides());
   DX_CHECK_DTYPE(out, at::kLong);
   DX_CHECK_SHAPE(out, B);
   if (B == 0) return;
-  TORCH_CHECK(B <= 65535, "argmax: B = ", B, " rows is more than one grid column holds (65535)");
+  DX_CHECK(B <= 65535, "argmax: B = ", B, " rows is more than one grid column holds (65535)");
 
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t esize = logits.element_size();

@@ -11,31 +11,78 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <vector>
+
 namespace decodex {
 
+// Error messages. On the H200 image a TORCH_CHECK message that streamed a number from this library
+// crashed the process (strings were fine: the integer goes through the iostream locale machinery of
+// another libstdc++ than the one this library was compiled with). So every message is built here
+// as one std::string, numbers through std::to_string / snprintf, and handed to TORCH_CHECK whole.
+// DX_CHECK(cond, parts...) is TORCH_CHECK with that formatting; use it for every check in csrc/.
+inline std::string shape_str(c10::IntArrayRef sizes);
+namespace detail {
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(c10::IntArrayRef s) { return shape_str(s); }
+inline std::string piece(c10::ScalarType t) { return c10::toString(t); }
+inline std::string piece(const c10::Device& d) { return d.str(); }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline std::string piece(T v) { return std::to_string(v); }
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+inline std::string piece(T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+  return buf;
+}
+}  // namespace detail
+template <typename... Parts>
+inline std::string msg(const Parts&... parts) {
+  std::string s;
+  ((s += detail::piece(parts)), ...);
+  return s;
+}
+#define DX_CHECK(cond, ...) TORCH_CHECK((cond), ::decodex::msg(__VA_ARGS__))
+
 // Argument checks: the message always names the argument as the user spelled it in the schema.
-#define DX_CHECK_CUDA(t) TORCH_CHECK((t).is_cuda(), #t " must be a CUDA tensor, got device ", (t).device())
+#define DX_CHECK_CUDA(t) DX_CHECK((t).is_cuda(), #t " must be a CUDA tensor, got device ", (t).device())
 #define DX_CHECK_DTYPE(t, dt) \
-  TORCH_CHECK((t).scalar_type() == (dt), #t " must have dtype ", (dt), ", got ", (t).scalar_type())
-#define DX_CHECK_DIM(t, d) TORCH_CHECK((t).dim() == (d), #t " must be ", (d), "-D, got shape ", (t).sizes())
+  DX_CHECK((t).scalar_type() == (dt), #t " must have dtype ", (dt), ", got ", (t).scalar_type())
+#define DX_CHECK_DIM(t, d) \
+  DX_CHECK((t).dim() == (d), #t " must be ", (d), "-D, got shape ", ::decodex::shape_str((t).sizes()))
 #define DX_CHECK_CONTIGUOUS(t) \
-  TORCH_CHECK((t).is_contiguous(), #t " must be contiguous, got strides ", (t).strides())
+  DX_CHECK((t).is_contiguous(), #t " must be contiguous, got strides ", (t).strides())
 #define DX_CHECK_SAME_DEVICE(a, b) \
-  TORCH_CHECK((a).device() == (b).device(), #a " and " #b " must be on the same device, got ", \
+  DX_CHECK((a).device() == (b).device(), #a " and " #b " must be on the same device, got ", \
               (a).device(), " and ", (b).device())
-#define DX_CHECK_SHAPE(t, ...)                                                              \
-  TORCH_CHECK((t).sizes() == c10::IntArrayRef({__VA_ARGS__}), #t " must have shape ",       \
-              c10::IntArrayRef({__VA_ARGS__}), ", got ", (t).sizes())
+#define DX_CHECK_SHAPE(t, ...) ::decodex::check_shape((t), #t, __VA_ARGS__)
+// "[2, 3]", formatted without iostreams (see DX_CHECK).
+inline std::string shape_str(c10::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+template <typename... Sizes>
+inline void check_shape(const at::Tensor& t, const char* name, Sizes... sizes) {
+  const std::vector<int64_t> want{static_cast<int64_t>(sizes)...};
+  DX_CHECK(t.sizes().vec() == want, name, " must have shape ", shape_str(want), ", got ",
+              shape_str(t.sizes()));
+}
+
 // 16-byte vector loads need 16-byte aligned base pointers.
 #define DX_CHECK_ALIGNED16(t)                                                   \
-  TORCH_CHECK(reinterpret_cast<uintptr_t>((t).data_ptr()) % 16 == 0, #t       \
+  DX_CHECK(reinterpret_cast<uintptr_t>((t).data_ptr()) % 16 == 0, #t       \
               " must be 16-byte aligned (its storage offset breaks vector loads)")
 
 // After every launch: a bad configuration surfaces here, named by the op.
 #define DX_CHECK_LAUNCH(op)                                                              \
   do {                                                                                   \
     cudaError_t err_ = cudaGetLastError();                                               \
-    TORCH_CHECK(err_ == cudaSuccess, "decodex::" op " kernel launch failed: ",           \
+    DX_CHECK(err_ == cudaSuccess, "decodex::" op " kernel launch failed: ",           \
                 cudaGetErrorString(err_));                                               \
   } while (0)
 

@@ -406,11 +406,11 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
 // heads; 1 once the (b, kv head) pairs alone fill the GPU.
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count) {
-  TORCH_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
-  TORCH_CHECK(num_kv_heads >= 1, "decode_attention_splits: num_kv_heads must be >= 1, got ",
+  DX_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
+  DX_CHECK(num_kv_heads >= 1, "decode_attention_splits: num_kv_heads must be >= 1, got ",
               num_kv_heads);
-  TORCH_CHECK(capacity >= 0, "decode_attention_splits: capacity must be >= 0, got ", capacity);
-  TORCH_CHECK(sm_count >= 1, "decode_attention_splits: sm_count must be >= 1, got ", sm_count);
+  DX_CHECK(capacity >= 0, "decode_attention_splits: capacity must be >= 0, got ", capacity);
+  DX_CHECK(sm_count >= 1, "decode_attention_splits: sm_count must be >= 1, got ", sm_count);
   const int64_t pairs = batch * num_kv_heads;
   const int64_t fill = sm_count * kSplitBlocksPerSm / pairs;  // rounded down: one wave (group <= 8)
   const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
@@ -444,21 +444,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   DX_CHECK_DIM(workspace, 4);
 
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(D == 64 || D == 128, "decode_attention: head dim D = ", D,
+  DX_CHECK(D == 64 || D == 128, "decode_attention: head dim D = ", D,
               " (q.size(2)) is not supported (supported: 64, 128)");
-  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(3) == D,
+  DX_CHECK(k_cache.size(0) == B && k_cache.size(3) == D,
               "k_cache must have shape [B, Hkv, S, D] with B = ", B, " and D = ", D, " (from q), got ",
               k_cache.sizes());
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   DX_CHECK_SHAPE(v_cache, B, Hkv, S, D);
-  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, "decode_attention: the query heads H = ", H,
+  DX_CHECK(Hkv >= 1 && H % Hkv == 0, "decode_attention: the query heads H = ", H,
               " (q.size(1)) must be a multiple of the KV heads Hkv = ", Hkv, " (k_cache.size(1))");
   DX_CHECK_SHAPE(lengths, B);
   DX_CHECK_SHAPE(out, B, H, D);
   DX_CHECK_CONTIGUOUS(lengths);
   DX_CHECK_CONTIGUOUS(out);
   DX_CHECK_CONTIGUOUS(workspace);
-  TORCH_CHECK(S < (int64_t(1) << 30) && B <= 65535 && Hkv * ((H / Hkv + 7) / 8) <= 65535,
+  DX_CHECK(S < (int64_t(1) << 30) && B <= 65535 && Hkv * ((H / Hkv + 7) / 8) <= 65535,
               "decode_attention: sizes too large for the launch grid");
 
   // q rows and the cache's [Hkv, S, D] must be dense; batch strides are free (0 included) but
@@ -466,14 +466,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   auto stride_ok = [](const at::Tensor& t, int dim, int64_t want) {
     return t.size(dim) <= 1 || t.stride(dim) == want;
   };
-  TORCH_CHECK(stride_ok(q, 2, 1) && stride_ok(q, 1, D) && (B <= 1 || q.stride(0) % 8 == 0),
+  DX_CHECK(stride_ok(q, 2, 1) && stride_ok(q, 1, D) && (B <= 1 || q.stride(0) % 8 == 0),
               "q must have contiguous rows [H, D] and a batch stride that is a multiple of 8, got "
               "strides ", q.strides());
-  TORCH_CHECK(stride_ok(k_cache, 3, 1) && stride_ok(k_cache, 2, D) && stride_ok(k_cache, 1, S * D) &&
+  DX_CHECK(stride_ok(k_cache, 3, 1) && stride_ok(k_cache, 2, D) && stride_ok(k_cache, 1, S * D) &&
                   (B <= 1 || (k_cache.stride(0) >= 0 && k_cache.stride(0) % 8 == 0)),
               "k_cache must be contiguous in its inner three dims [Hkv, S, D] with a batch stride "
               "that is a multiple of 8, got strides ", k_cache.strides());
-  TORCH_CHECK(stride_ok(v_cache, 3, 1) && stride_ok(v_cache, 2, D) && stride_ok(v_cache, 1, S * D) &&
+  DX_CHECK(stride_ok(v_cache, 3, 1) && stride_ok(v_cache, 2, D) && stride_ok(v_cache, 1, S * D) &&
                   (B <= 1 || (v_cache.stride(0) >= 0 && v_cache.stride(0) % 8 == 0)),
               "v_cache must be contiguous in its inner three dims [Hkv, S, D] with a batch stride "
               "that is a multiple of 8, got strides ", v_cache.strides());
@@ -486,10 +486,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t splits = decode_attention_splits(std::max<int64_t>(B, 1), Hkv, S,
                                                  sm_count(q.get_device()));
-  TORCH_CHECK(workspace.size(0) == B && workspace.size(1) == H && workspace.size(3) == D + 2,
+  DX_CHECK(workspace.size(0) == B && workspace.size(1) == H && workspace.size(3) == D + 2,
               "workspace must have shape [B, H, splits, D + 2] = [", B, ", ", H, ", >= ", splits,
               ", ", D + 2, "], got ", workspace.sizes());
-  TORCH_CHECK(workspace.size(2) >= splits, "workspace has room for ", workspace.size(2),
+  DX_CHECK(workspace.size(2) >= splits, "workspace has room for ", workspace.size(2),
               " splits (dim 2) but decode_attention uses ", splits,
               " for this batch, KV heads and cache capacity; size it with decode_attention_splits(",
               B, ", ", Hkv, ", ", S, ", sm_count)");
@@ -531,7 +531,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         static_cast<const float*>(workspace.data_ptr<float>()),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
         static_cast<int>(splits), static_cast<int>(workspace.size(2)));
-    TORCH_CHECK(err == cudaSuccess, "decodex::decode_attention (combine) kernel launch failed: ",
+    DX_CHECK(err == cudaSuccess, "decodex::decode_attention (combine) kernel launch failed: ",
                 cudaGetErrorString(err));
     DX_CHECK_LAUNCH("decode_attention (combine)");
   };

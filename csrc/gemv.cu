@@ -258,7 +258,7 @@ int blocks_per_sm(int m, int u, int warps) {
   if (n == 0) {
     cudaError_t err =
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u), warps * 32, 0);
-    TORCH_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
+    DX_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
                 cudaGetErrorString(err));
     n = std::max(n, 0) + 1;  // stored +1 so that 0 keeps meaning "not asked"
     slot.store(n, std::memory_order_relaxed);
@@ -322,9 +322,9 @@ bool config_override(GemvConfig& cf, bool clusters) {
   const char* env = std::getenv("DECODEX_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return false;
   GemvConfig o{};
-  TORCH_CHECK(std::sscanf(env, "%d,%d,%d,%d", &o.wr, &o.wk, &o.c, &o.u) == 4,
+  DX_CHECK(std::sscanf(env, "%d,%d,%d,%d", &o.wr, &o.wk, &o.c, &o.u) == 4,
               "DECODEX_GEMV_CONFIG must be \"wr,wk,c,u\", got \"", env, "\"");
-  TORCH_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
+  DX_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
                   o.c <= kMaxCluster && (o.u == 4 || o.u == 8) && (clusters || o.c == 1),
               "DECODEX_GEMV_CONFIG=\"", env, "\": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ",
               kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
@@ -359,29 +359,29 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   DX_CHECK_DIM(weight, 2);
   DX_CHECK_DIM(out, 2);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M >= 1 && M <= 8, "decodex::gemv handles M = 1..8 rows of x, got x of shape ",
+  DX_CHECK(M >= 1 && M <= 8, "decodex::gemv handles M = 1..8 rows of x, got x of shape ",
               x.sizes(), " (M = ", M, "); use cuBLAS (F.linear) for larger batches");
-  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, K] with K = x.size(1) = ", K,
+  DX_CHECK(weight.size(1) == K, "weight must have shape [N, K] with K = x.size(1) = ", K,
               ", got ", weight.sizes());
-  TORCH_CHECK(K > 0 && K % 8 == 0,
+  DX_CHECK(K > 0 && K % 8 == 0,
               "decodex::gemv needs K (x.size(1)) to be a positive multiple of 8, got K = ", K);
-  TORCH_CHECK(N < (int64_t{1} << 30) && K < (int64_t{1} << 30),
+  DX_CHECK(N < (int64_t{1} << 30) && K < (int64_t{1} << 30),
               "decodex::gemv: N and K must be below 2^30, got N = ", N, ", K = ", K);
   DX_CHECK_SHAPE(out, M, N);
   // Rows may be strided (a slice of a wider buffer); the last dim must be dense, and x / weight
   // rows 16-byte aligned for the vector loads. Strides of size-1 dims are never used.
-  TORCH_CHECK(x.stride(1) == 1, "x must have a contiguous last dim, got strides ", x.strides());
-  TORCH_CHECK(M == 1 || (x.stride(0) >= K && x.stride(0) % 8 == 0),
+  DX_CHECK(x.stride(1) == 1, "x must have a contiguous last dim, got strides ", x.strides());
+  DX_CHECK(M == 1 || (x.stride(0) >= K && x.stride(0) % 8 == 0),
               "x rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
               "multiple of 8), got strides ", x.strides(), " for shape ", x.sizes());
-  TORCH_CHECK(weight.stride(1) == 1, "weight must have a contiguous last dim, got strides ",
+  DX_CHECK(weight.stride(1) == 1, "weight must have a contiguous last dim, got strides ",
               weight.strides());
-  TORCH_CHECK(N <= 1 || (weight.stride(0) >= K && weight.stride(0) % 8 == 0),
+  DX_CHECK(N <= 1 || (weight.stride(0) >= K && weight.stride(0) % 8 == 0),
               "weight rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
               "multiple of 8), got strides ", weight.strides(), " for shape ", weight.sizes());
-  TORCH_CHECK(N <= 1 || out.stride(1) == 1, "out must have a contiguous last dim, got strides ",
+  DX_CHECK(N <= 1 || out.stride(1) == 1, "out must have a contiguous last dim, got strides ",
               out.strides());
-  TORCH_CHECK(M == 1 || out.stride(0) >= N,
+  DX_CHECK(M == 1 || out.stride(0) >= N,
               "out rows must not overlap (stride(0) >= N), got strides ", out.strides(),
               " for shape ", out.sizes());
   DX_CHECK_ALIGNED16(x);
@@ -389,14 +389,14 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const __nv_bfloat16* bias_ptr = nullptr;
   if (bias.has_value()) {
     const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
-    TORCH_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
-    TORCH_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
+    DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
+    DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
                 " and ", b.device());
-    TORCH_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
+    DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
                 b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
+    DX_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
                 b.sizes());
-    TORCH_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
+    DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
     bias_ptr = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
   }
   if (N == 0) return;
@@ -404,7 +404,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
   const int cc_major = compute_capability_major(device);
-  TORCH_CHECK(cc_major >= 8, "decodex::gemv needs a GPU of compute capability 8.0 or newer");
+  DX_CHECK(cc_major >= 8, "decodex::gemv needs a GPU of compute capability 8.0 or newer");
   const bool clusters = cc_major >= 9;
   const int sms = sm_count(device);
 
@@ -443,7 +443,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias_ptr,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ldx, ldw, ldo, static_cast<int>(N),
       static_cast<int>(K), cf.wr, cf.wk, cf.c);
-  TORCH_CHECK(err == cudaSuccess, "decodex::gemv kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
+  DX_CHECK(err == cudaSuccess, "decodex::gemv kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
               ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   DX_CHECK_LAUNCH("gemv");
 }

@@ -90,36 +90,36 @@ namespace {
 
 // x-like argument: [M, K] bf16 on the device of `ref`, inner dim contiguous, rows 16-byte aligned.
 void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t K, const at::Tensor& ref) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), name, " must be on ", ref.device(), ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == K, name, " must have shape [", M, ", ", K,
+  DX_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  DX_CHECK(t.device() == ref.device(), name, " must be on ", ref.device(), ", got ", t.device());
+  DX_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
+  DX_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == K, name, " must have shape [", M, ", ", K,
               "], got ", t.sizes());
-  TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous along K, got strides ", t.strides());
-  TORCH_CHECK(t.stride(0) % 8 == 0 || M == 1, name,
+  DX_CHECK(t.stride(1) == 1, name, " must be contiguous along K, got strides ", t.strides());
+  DX_CHECK(t.stride(0) % 8 == 0 || M == 1, name,
               " row stride must be a multiple of 8 elements (16-byte rows), got ", t.stride(0));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+  DX_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
               " must be 16-byte aligned (its storage offset breaks vector loads)");
 }
 
 void launch_norm(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps,
                  at::Tensor& out, const char* op) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
+  DX_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got shape ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K > 0 && K % 8 == 0, op, ": K = x.size(1) must be a positive multiple of 8, got ", K);
-  TORCH_CHECK(K <= 8 * kNormMaxVecs * kNormMaxThreads, op, ": K = ", K, " is larger than the ",
+  DX_CHECK(K > 0 && K % 8 == 0, op, ": K = x.size(1) must be a positive multiple of 8, got ", K);
+  DX_CHECK(K <= 8 * kNormMaxVecs * kNormMaxThreads, op, ": K = ", K, " is larger than the ",
               8 * kNormMaxVecs * kNormMaxThreads, " this kernel supports");
   check_rows(x, "x", M, K, x);
   check_rows(out, "out", M, K, x);
   if (residual) check_rows(*residual, "residual", M, K, x);
-  TORCH_CHECK(weight.is_cuda() && weight.device() == x.device(), "weight must be on ", x.device(),
+  DX_CHECK(weight.is_cuda() && weight.device() == x.device(), "weight must be on ", x.device(),
               ", got ", weight.device());
   DX_CHECK_DTYPE(weight, at::kBFloat16);
   DX_CHECK_SHAPE(weight, K);
   DX_CHECK_CONTIGUOUS(weight);
   DX_CHECK_ALIGNED16(weight);
   if (M == 0) return;
-  TORCH_CHECK(M <= 0x7fffffff, op, ": M = ", M, " rows is more than one grid holds");
+  DX_CHECK(M <= 0x7fffffff, op, ": M = ", M, " rows is more than one grid holds");
 
   const c10::cuda::CUDAGuard guard(x.device());
   const int nvec = static_cast<int>(K / 8);

@@ -95,34 +95,34 @@ namespace {
 
 // q / k / v: [B, heads, D] bf16, inner [heads, D] contiguous, 16-byte aligned rows.
 void check_heads(const at::Tensor& t, const char* name, int64_t B, int64_t D, const at::Tensor& ref) {
-  TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
+  DX_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
               ref.device(), ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(2) == D, name, " must have shape [", B,
+  DX_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
+  DX_CHECK(t.dim() == 3 && t.size(0) == B && t.size(2) == D, name, " must have shape [", B,
               ", heads, ", D, "], got ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && (t.stride(1) == D || t.size(1) == 1), name,
+  DX_CHECK(t.stride(2) == 1 && (t.stride(1) == D || t.size(1) == 1), name,
               " must be contiguous within a row ([heads, D]), got strides ", t.strides());
-  TORCH_CHECK(t.stride(0) % 8 == 0 || B == 1, name,
+  DX_CHECK(t.stride(0) % 8 == 0 || B == 1, name,
               " row stride must be a multiple of 8 elements (16-byte rows), got ", t.stride(0));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+  DX_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
               " must be 16-byte aligned (its storage offset breaks vector loads)");
 }
 
 // k_cache / v_cache: [B, Hkv, S, D] bf16, inner [Hkv, S, D] contiguous, any stride(0) (0 allowed).
 void check_cache(const at::Tensor& t, const char* name, int64_t B, int64_t Hkv, int64_t S, int64_t D,
                  const at::Tensor& ref) {
-  TORCH_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
+  DX_CHECK(t.is_cuda() && t.device() == ref.device(), name, " must be a CUDA tensor on ",
               ref.device(), ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == Hkv && t.size(2) == S && t.size(3) == D,
+  DX_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
+  DX_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == Hkv && t.size(2) == S && t.size(3) == D,
               name, " must have shape [", B, ", ", Hkv, ", ", S, ", ", D, "] (S from k_cache), got ",
               t.sizes());
-  TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == D && (t.stride(1) == S * D || Hkv == 1), name,
+  DX_CHECK(t.stride(3) == 1 && t.stride(2) == D && (t.stride(1) == S * D || Hkv == 1), name,
               " must be contiguous in its inner [Hkv, S, D] dims (any stride(0)), got strides ",
               t.strides());
-  TORCH_CHECK(t.stride(0) % 8 == 0 || B == 1, name, " stride(0) must be a multiple of 8 elements, got ",
+  DX_CHECK(t.stride(0) % 8 == 0 || B == 1, name, " stride(0) must be a multiple of 8 elements, got ",
               t.stride(0));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+  DX_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
               " must be 16-byte aligned (its storage offset breaks vector stores)");
 }
 
@@ -132,32 +132,32 @@ void check_cache(const at::Tensor& t, const char* name, int64_t B, int64_t Hkv, 
 // k_cache/v_cache[B,Hkv,S,D] row positions[b]. positions[b] < 0 or >= S: row b untouched.
 void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
                  const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache) {
-  TORCH_CHECK(q.dim() == 3, "rope_append: q must be 3-D [B, H, D], got shape ", q.sizes());
-  TORCH_CHECK(k.dim() == 3, "rope_append: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
-  TORCH_CHECK(k_cache.dim() == 4, "rope_append: k_cache must be 4-D [B, Hkv, S, D], got shape ",
+  DX_CHECK(q.dim() == 3, "rope_append: q must be 3-D [B, H, D], got shape ", q.sizes());
+  DX_CHECK(k.dim() == 3, "rope_append: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
+  DX_CHECK(k_cache.dim() == 4, "rope_append: k_cache must be 4-D [B, Hkv, S, D], got shape ",
               k_cache.sizes());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k_cache.size(2);
-  TORCH_CHECK(D > 0 && D % 16 == 0 && D <= 1024,
+  DX_CHECK(D > 0 && D % 16 == 0 && D <= 1024,
               "rope_append: head dim D = q.size(2) must be a multiple of 16 in [16, 1024], got ", D);
-  TORCH_CHECK(H > 0 && Hkv > 0, "rope_append: q and k need at least one head, got H = ", H,
+  DX_CHECK(H > 0 && Hkv > 0, "rope_append: q and k need at least one head, got H = ", H,
               ", Hkv = ", Hkv);
   check_heads(q, "q", B, D, q);
   check_heads(k, "k", B, D, q);
   check_heads(v, "v", B, D, q);
-  TORCH_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
+  DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
   check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
   check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
-  TORCH_CHECK(inv_freq.is_cuda() && inv_freq.device() == q.device(), "inv_freq must be on ",
+  DX_CHECK(inv_freq.is_cuda() && inv_freq.device() == q.device(), "inv_freq must be on ",
               q.device(), ", got ", inv_freq.device());
   DX_CHECK_DTYPE(inv_freq, at::kFloat);
   DX_CHECK_SHAPE(inv_freq, D / 2);
   DX_CHECK_CONTIGUOUS(inv_freq);
-  TORCH_CHECK(positions.is_cuda() && positions.device() == q.device(), "positions must be on ",
+  DX_CHECK(positions.is_cuda() && positions.device() == q.device(), "positions must be on ",
               q.device(), ", got ", positions.device());
   DX_CHECK_DTYPE(positions, at::kInt);
   DX_CHECK_SHAPE(positions, B);
   DX_CHECK_CONTIGUOUS(positions);
-  TORCH_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
+  DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
               "rope_append: sizes too large");
   if (B == 0 || S == 0) return;
 

@@ -614,7 +614,7 @@ void launch_sample(const at::Tensor& logits, const at::Tensor& temperature, cons
   if (dev >= 64 || !attr_set[dev]) {
     const cudaError_t err =
         cudaFuncSetAttribute(sample_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TORCH_CHECK(err == cudaSuccess, "decodex::sample: cannot get ", smem,
+    DX_CHECK(err == cudaSuccess, "decodex::sample: cannot get ", smem,
                 " bytes of shared memory per block: ", cudaGetErrorString(err));
     if (dev < 64) attr_set[dev] = true;
   }
@@ -632,32 +632,32 @@ void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::T
             const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,
             at::Tensor& out) {
   DX_CHECK_CUDA(logits);
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+  DX_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
               "logits must have dtype BFloat16 or Float, got ", logits.scalar_type());
   DX_CHECK_DIM(logits, 2);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1 && V <= kSampleMaxV, "sample: V = logits.size(1) must be in [1, ", kSampleMaxV,
+  DX_CHECK(V >= 1 && V <= kSampleMaxV, "sample: V = logits.size(1) must be in [1, ", kSampleMaxV,
               "], got ", V);
-  TORCH_CHECK(logits.stride(1) == 1 || V == 1, "logits must be contiguous along V, got strides ",
+  DX_CHECK(logits.stride(1) == 1 || V == 1, "logits must be contiguous along V, got strides ",
               logits.strides());
   auto check_vec = [&](const at::Tensor& t, const char* name, at::ScalarType dt) {
-    TORCH_CHECK(t.is_cuda() && t.device() == logits.device(), name, " must be a CUDA tensor on ",
+    DX_CHECK(t.is_cuda() && t.device() == logits.device(), name, " must be a CUDA tensor on ",
                 logits.device(), ", got ", t.device());
-    TORCH_CHECK(t.scalar_type() == dt, name, " must have dtype ", dt, ", got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == B, name, " must have shape [", B, "], got ", t.sizes());
-    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+    DX_CHECK(t.scalar_type() == dt, name, " must have dtype ", dt, ", got ", t.scalar_type());
+    DX_CHECK(t.dim() == 1 && t.size(0) == B, name, " must have shape [", B, "], got ", t.sizes());
+    DX_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
   };
   check_vec(temperature, "temperature", at::kFloat);
   check_vec(top_k, "top_k", at::kInt);
   check_vec(top_p, "top_p", at::kFloat);
   check_vec(seed, "seed", at::kLong);
   check_vec(positions, "positions", at::kInt);
-  TORCH_CHECK(out.is_cuda() && out.device() == logits.device(), "out must be a CUDA tensor on ",
+  DX_CHECK(out.is_cuda() && out.device() == logits.device(), "out must be a CUDA tensor on ",
               logits.device(), ", got ", out.device());
   DX_CHECK_DTYPE(out, at::kLong);
   DX_CHECK_SHAPE(out, B);
   if (B == 0) return;
-  TORCH_CHECK(B <= 0x7fffffff, "sample: B too large");
+  DX_CHECK(B <= 0x7fffffff, "sample: B too large");
 
   const c10::cuda::CUDAGuard guard(logits.device());
   const bool vec_ok = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&

@@ -44,25 +44,25 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
   DX_CHECK_DIM(gate_up, 2);
   DX_CHECK_DIM(out, 2);
   const int64_t M = gate_up.size(0), I2 = gate_up.size(1);
-  TORCH_CHECK(I2 % 16 == 0 && I2 > 0,
+  DX_CHECK(I2 % 16 == 0 && I2 > 0,
               "silu_mul: gate_up.size(1) = 2I must be a positive multiple of 16 (I % 8 == 0), got ", I2);
   const int64_t I = I2 / 2;
   DX_CHECK_SHAPE(out, M, I);
-  TORCH_CHECK(gate_up.stride(1) == 1, "gate_up must be contiguous along its last dim, got strides ",
+  DX_CHECK(gate_up.stride(1) == 1, "gate_up must be contiguous along its last dim, got strides ",
               gate_up.strides());
-  TORCH_CHECK(out.stride(1) == 1, "out must be contiguous along its last dim, got strides ", out.strides());
-  TORCH_CHECK(M <= 1 || (gate_up.stride(0) >= I2 && gate_up.stride(0) % 8 == 0),
+  DX_CHECK(out.stride(1) == 1, "out must be contiguous along its last dim, got strides ", out.strides());
+  DX_CHECK(M <= 1 || (gate_up.stride(0) >= I2 && gate_up.stride(0) % 8 == 0),
               "gate_up row stride must be >= 2I = ", I2, " and a multiple of 8 elements, got ",
               gate_up.stride(0));
-  TORCH_CHECK(M <= 1 || (out.stride(0) >= I && out.stride(0) % 8 == 0),
+  DX_CHECK(M <= 1 || (out.stride(0) >= I && out.stride(0) % 8 == 0),
               "out row stride must be >= I = ", I, " and a multiple of 8 elements, got ", out.stride(0));
   DX_CHECK_ALIGNED16(gate_up);
   DX_CHECK_ALIGNED16(out);
-  TORCH_CHECK(I / 8 <= 0x7fffffff, "silu_mul: I too large");
+  DX_CHECK(I / 8 <= 0x7fffffff, "silu_mul: I too large");
   const int64_t total = M * (I / 8);
   if (total == 0) return;
   const int64_t blocks = (total + kSiluThreads - 1) / kSiluThreads;
-  TORCH_CHECK(blocks <= 0x7fffffff, "silu_mul: M * I too large for one grid");
+  DX_CHECK(blocks <= 0x7fffffff, "silu_mul: M * I too large for one grid");
 
   const c10::cuda::CUDAGuard guard(gate_up.device());
   silu_mul_kernel<<<static_cast<unsigned>(blocks), kSiluThreads, 0, current_stream()>>>(

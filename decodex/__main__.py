@@ -1,0 +1,5 @@
+import sys
+
+from decodex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""The `decodex` command: `generate` in a subprocess on the converted SmolLM2 (text on stdout, the
+stats line last on stderr), options in-process, errors, and `convert-gguf`. CPU only."""
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _smollm import require_gguf, smollm_dir
+from decodex import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATS_LINE = re.compile(r"^\[(\d+) tokens, (\d+\.\d) tok/s, time to first token (\d+) ms\]$")
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")  # one thread: see test_generate._one_thread
+    return subprocess.run([sys.executable, "-m", "decodex", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_generate_subprocess():
+    r = _run("generate", "What is the capital of France?", "--model", smollm_dir(),
+             "--max-new-tokens", "16", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    m = STATS_LINE.match(last)
+    assert m, last
+    assert 1 <= int(m.group(1)) <= 16
+    assert float(m.group(2)) > 0
+    assert "decodex: loaded" in r.stderr  # loading progress goes to stderr, not stdout
+    assert "decodex" not in r.stdout
+
+
+def test_generate_options_in_process(capsys, one_thread):
+    d = smollm_dir()
+    assert cli.main(["generate", "What is the capital of France?", "--model", d, "--device", "cpu",
+                     "--max-new-tokens", "16", "--stop", "Paris", "France"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "The capital of \n"  # cut before the earliest stop string
+    assert STATS_LINE.match(err.strip().splitlines()[-1])
+    assert cli.main(["generate", "Once upon a time", "--model", d, "--device", "cpu", "--no-chat",
+                     "--max-new-tokens", "4", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9",
+                     "--seed", "3", "--dtype", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and STATS_LINE.match(err.strip().splitlines()[-1])
+
+
+def test_errors(capsys, tmp_path):
+    assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "decodex: error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate"])  # the prompt is required
+    with pytest.raises(SystemExit):
+        cli.main([])
+
+
+def test_convert_gguf_subprocess(tmp_path):
+    gguf_path = require_gguf()
+    out = tmp_path / "smol"
+    r = _run("convert-gguf", str(gguf_path), str(out))
+    assert r.returncode == 0, r.stderr
+    assert "converted" in r.stderr and r.stdout == ""
+    ref = smollm_dir()
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        with open(out / name) as a, open(os.path.join(ref, name)) as b:
+            assert json.load(a) == json.load(b), name
+
+    def digest(path):
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert digest(out / name) == digest(os.path.join(ref, name)), name  # deterministic output

