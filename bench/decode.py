@@ -356,6 +356,7 @@ def rows(args=None) -> list[list]:
                 for case in args.cases:
                     try:
                         hf[case]["eager"] = hf_eager(hf_model, cfg, *case)
+                        print(f"  HF eager {label} b{case[0]} ctx{case[1]}: {hf[case]['eager']}", flush=True)
                     except Exception as e:  # noqa: BLE001
                         traceback.print_exc()
                         hf[case]["eager"] = _err(e)

@@ -9,6 +9,7 @@ import os as _os
 
 from decodex import _ext, reference  # noqa: F401
 from decodex import ops  # noqa: F401  (registers the fake impls)
+from decodex.generate import GenerationStats, SamplingParams, generate, load  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -61,23 +61,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodex import _ext
+from decodex import _ext, reference
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
-_MASK64 = (1 << 64) - 1
 
 
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
     """The graph batch sizes for a runner of max_batch rows: GRAPH_SIZES below it, then max_batch."""
     return tuple(s for s in GRAPH_SIZES if s < max_batch) + (max_batch,)
 
-
-def _seed_int64(seed: int) -> int:
-    """A seed as the int64 whose bits are seed mod 2^64 (the kernel hashes the 64 bits)."""
-    s = int(seed) & _MASK64
-    return s - (1 << 64) if s >= 1 << 63 else s
 
 
 @dataclass
@@ -618,7 +612,7 @@ class CudaGraphRunner(HostLoop):
         self.temperature[row].fill_(t)
         self.top_k[row].fill_(int(getattr(params, "top_k", 0) or 0))
         self.top_p[row].fill_(float(getattr(params, "top_p", 1.0) if params is not None else 1.0))
-        self.seed[row].fill_(_seed_int64(getattr(params, "seed", 0) or 0))
+        self.seed[row].fill_(reference.seed_int64(getattr(params, "seed", 0) or 0))
 
     def _sample_row(self, row: int, greedy: bool) -> None:
         """tokens[row] = the token drawn from logits[row] at positions[row]."""

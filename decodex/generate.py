@@ -111,12 +111,6 @@ def _parse_dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 # Runners
 
-def _seed_int64(seed: int) -> int:
-    """A seed as the int64 with the bits of seed mod 2^64 (the draw hashes those 64 bits), so any
-    Python int works, 2^64 - 1 included."""
-    s = int(seed) & ((1 << 64) - 1)
-    return s - (1 << 64) if s >= 1 << 63 else s
-
 
 class ReferenceRunner:
     """The eager runner: model.prefill per prompt, then model.decode over the batch, sampling each
@@ -150,7 +144,7 @@ class ReferenceRunner:
                     torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
                     torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev),
                     torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                    torch.tensor([_seed_int64(p.seed) for p in params], dtype=torch.int64, device=dev),
+                    torch.tensor([reference.seed_int64(p.seed) for p in params], dtype=torch.int64, device=dev),
                     torch.tensor(positions, dtype=torch.int32, device=dev),
                     out)
             return out.tolist()
@@ -162,7 +156,7 @@ class ReferenceRunner:
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.int32),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.tensor([_seed_int64(p.seed) for p in params], dtype=torch.int64),
+            torch.tensor([reference.seed_int64(p.seed) for p in params], dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int32)).tolist()
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams],

@@ -156,6 +156,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def seed_int64(seed: int) -> int:
+    """Any Python int as the int64 whose bits are seed mod 2^64 (the draw hashes those 64 bits), so
+    seeds of 2^63 and more fit the int64 seed tensors the kernels take."""
+    s = int(seed) & _MASK64
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
 def uniform(seed: int, position: int) -> float:
     """The draw in [0, 1) that `sample` uses for a sequence at a position: 24 bits of a hash, so the
     kernel reproduces it exactly and a (seed, position) pair always gives the same token."""

@@ -40,7 +40,7 @@ def test_graph_sizes():
 
 def test_seed_int64_keeps_the_64_bits():
     for seed in (0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, 12345678901234567890):
-        s = engine._seed_int64(seed)
+        s = reference.seed_int64(seed)
         assert -(2**63) <= s < 2**63
         assert s & ((1 << 64) - 1) == seed & ((1 << 64) - 1)
 
@@ -531,7 +531,7 @@ def test_sampling_graph_draws_reference_tokens():
         for b, p in enumerate(params):
             consumed = len(prompts[b]) - 1 if k == 0 else int(positions[k - 1][b])
             want = reference.sample(logits[k][b:b + 1], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
-                                    torch.tensor([p.top_p]), torch.tensor([engine._seed_int64(p.seed)]),
+                                    torch.tensor([p.top_p]), torch.tensor([reference.seed_int64(p.seed)]),
                                     torch.tensor([consumed], dtype=torch.int32))
             draws += 1
             if int(tokens[k][b]) != int(want):
