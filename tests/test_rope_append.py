@@ -160,7 +160,7 @@ def test_rope_append_prefill_expanded_cache(T):
     positions = torch.arange(T, dtype=torch.int32, device="cuda")
     kc = k_cache[s : s + 1].expand(T, Hkv, S, D)
     vc = v_cache[s : s + 1].expand(T, Hkv, S, D)
-    assert kc.stride(0) == 0
+    assert kc.stride(0) == 0 or T == 1  # expand() keeps the stride of a dim that stays size 1
     torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
     torch.cuda.synchronize()
     for t in range(T):
