@@ -10,6 +10,7 @@ namespace decodex {
 __global__ void advance_positions_kernel(int* __restrict__ positions,  // [B]
                                          int* __restrict__ lengths,    // [B]
                                          int64_t B) {
+  pdl_begin();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int p = positions[b];
@@ -35,8 +36,11 @@ void advance_positions(at::Tensor& positions, at::Tensor& lengths) {
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(positions.device());
   const int threads = 128;
-  advance_positions_kernel<<<static_cast<unsigned>((B + threads - 1) / threads), threads, 0,
-                             current_stream()>>>(positions.data_ptr<int>(), lengths.data_ptr<int>(), B);
+  const cudaError_t err = launch_pdl(advance_positions_kernel,
+                                     dim3(static_cast<unsigned>((B + threads - 1) / threads)),
+                                     dim3(threads), 0, current_stream(), positions.data_ptr<int>(),
+                                     lengths.data_ptr<int>(), B);
+  DX_CHECK_LAUNCHED(err, "advance_positions");
   DX_CHECK_LAUNCH("advance_positions");
 }
 

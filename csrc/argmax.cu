@@ -37,6 +37,7 @@ argmax_kernel(const T* __restrict__ logits,  // [B, V], row stride row_stride
               int64_t chunk_len,          // 8-element groups per block
               int64_t* __restrict__ out,  // [B], stride out_stride
               int64_t out_stride) {
+  pdl_begin();
   __shared__ u64 scratch[32];
   __shared__ bool is_last;
   const int64_t b = blockIdx.y;
@@ -100,15 +101,17 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
   const int64_t chunk_len = (groups + chunks - 1) / chunks;
   chunks = (groups + chunk_len - 1) / chunk_len;  // no empty block
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(B));
+  cudaError_t err;
   if (logits.scalar_type() == at::kBFloat16) {
-    argmax_kernel<<<grid, kArgmaxThreads, 0, current_stream()>>>(
-        reinterpret_cast<const __nv_bfloat16*>(logits.data_ptr()), logits.stride(0), V, vec_ok,
-        chunk_len, out.data_ptr<int64_t>(), out.stride(0));
+    err = launch_pdl(argmax_kernel<__nv_bfloat16>, grid, dim3(kArgmaxThreads), 0, current_stream(),
+                     reinterpret_cast<const __nv_bfloat16*>(logits.data_ptr()), logits.stride(0), V,
+                     vec_ok, chunk_len, out.data_ptr<int64_t>(), out.stride(0));
   } else {
-    argmax_kernel<<<grid, kArgmaxThreads, 0, current_stream()>>>(
-        logits.data_ptr<float>(), logits.stride(0), V, vec_ok, chunk_len, out.data_ptr<int64_t>(),
-        out.stride(0));
+    err = launch_pdl(argmax_kernel<float>, grid, dim3(kArgmaxThreads), 0, current_stream(),
+                     logits.data_ptr<float>(), logits.stride(0), V, vec_ok, chunk_len,
+                     out.data_ptr<int64_t>(), out.stride(0));
   }
+  DX_CHECK_LAUNCHED(err, "argmax");
   DX_CHECK_LAUNCH("argmax");
 }
 

@@ -12,6 +12,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -96,6 +98,51 @@ inline int sm_count(int device) {
   if (device < 64) cached[device] = n;
   return n;
 }
+
+
+// ---- programmatic dependent launch (PDL) ----
+// Every decodex kernel starts with pdl_begin(): griddepcontrol.wait blocks until the kernel before
+// it in the stream has finished and its writes are visible, then griddepcontrol.launch_dependents
+// lets the next kernel's blocks be scheduled. Launched through launch_pdl, a kernel's launch and
+// block scheduling thus overlap the tail of the kernel before it (in a CUDA graph too), which is most
+// of the cost of the many small kernels of a decode step. No global memory is touched before the
+// wait, so the order of reads and writes is exactly that of plain launches. Without the launch
+// attribute both instructions do nothing. DECODEX_PDL=0 turns the attribute off (read once).
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DECODEX_PDL");
+    return !(v && v[0] == '0');
+  }();
+  return enabled;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute; returns the launch error.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// After launch_pdl: a failed launch names the op.
+#define DX_CHECK_LAUNCHED(err, op) \
+  DX_CHECK((err) == cudaSuccess, "decodex::" op " kernel launch failed: ", cudaGetErrorString(err))
 
 // ---- device utilities ----
 

@@ -204,10 +204,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
     int S, int chunk, int splits_cap, float scale_log2) {
-  // Let the combine kernel launch now; it waits for this grid to finish before reading.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  pdl_begin();  // also lets the combine kernel launch now; it waits for this grid to finish
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
@@ -339,9 +336,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
     const float* __restrict__ workspace,  // [B, H, splits_cap, D + 2]
     __nv_bfloat16* __restrict__ out,      // [B, H, D]
     int H, int splits, int splits_cap) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // phase 1 complete and visible
-#endif
+  pdl_begin();  // phase 1 complete and visible
   constexpr int kPerThread = kMaxSplits / kCombineThreads;
   constexpr int kCombineWarps = kCombineThreads / 32;
   __shared__ float sm_w[kMaxSplits];
@@ -506,33 +501,25 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     constexpr int kD = decltype(d_tag)::value;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
-    decode_attention_split_kernel<kD><<<grid, kWarps * 32, 0, stream>>>(
+    cudaError_t err = launch_pdl(
+        decode_attention_split_kernel<kD>, grid, dim3(kWarps * 32), 0, stream,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
         workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         static_cast<int>(H), group, head_blocks, static_cast<int>(S), chunk,
         static_cast<int>(workspace.size(2)), scale_log2);
+    DX_CHECK_LAUNCHED(err, "decode_attention (split)");
     DX_CHECK_LAUNCH("decode_attention (split)");
 
     // The combine may launch while the split kernel drains (programmatic dependent launch).
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(H), static_cast<unsigned>(B), kD / 32);
-    cfg.blockDim = dim3(kCombineThreads);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(
-        &cfg, decode_attention_combine_kernel<kD>,
-        static_cast<const float*>(workspace.data_ptr<float>()),
+    err = launch_pdl(
+        decode_attention_combine_kernel<kD>,
+        dim3(static_cast<unsigned>(H), static_cast<unsigned>(B), kD / 32), dim3(kCombineThreads), 0,
+        stream, static_cast<const float*>(workspace.data_ptr<float>()),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
         static_cast<int>(splits), static_cast<int>(workspace.size(2)));
-    DX_CHECK(err == cudaSuccess, "decodex::decode_attention (combine) kernel launch failed: ",
-                cudaGetErrorString(err));
+    DX_CHECK_LAUNCHED(err, "decode_attention (combine)");
     DX_CHECK_LAUNCH("decode_attention (combine)");
   };
   if (D == 64) {

@@ -25,6 +25,7 @@ rms_norm_kernel(const __nv_bfloat16* __restrict__ x,  // [M, K], row stride x_st
                 const __nv_bfloat16* __restrict__ weight,  // [K]
                 __nv_bfloat16* __restrict__ out,           // [M, K], row stride o_stride
                 int64_t o_stride, int K, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int nvec = K / 8;
@@ -133,8 +134,10 @@ void launch_norm(const at::Tensor& x, at::Tensor* residual, const at::Tensor& we
   auto* op_ = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   const dim3 grid(static_cast<unsigned>(M));
   auto go = [&](auto kernel) {
-    kernel<<<grid, threads, 0, current_stream()>>>(xp, x.stride(0), rp, rs, wp, op_, out.stride(0),
-                                                  static_cast<int>(K), epsf);
+    const cudaError_t err = launch_pdl(kernel, grid, dim3(threads), 0, current_stream(), xp,
+                                       x.stride(0), rp, rs, wp, op_, out.stride(0),
+                                       static_cast<int>(K), epsf);
+    DX_CHECK_LAUNCHED(err, "rms_norm");
   };
   if (residual) {
     switch (nv) {

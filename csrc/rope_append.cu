@@ -39,6 +39,7 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
                    int64_t kc_b, int64_t kc_h,
                    __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], strides (vc_b, vc_h, D, 1)
                    int64_t vc_b, int64_t vc_h, int H, int Hkv, int S, int D) {
+  pdl_begin();
   extern __shared__ float cs[];  // cos [D/2] then sin [D/2]
   const int64_t b = blockIdx.x;
   const int pos = positions[b];
@@ -165,7 +166,8 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
   const int items = static_cast<int>((H + 2 * Hkv) * (D / 16));
   const int threads = std::min(kRopeMaxThreads, std::max(32, (items + 31) / 32 * 32));
   const size_t smem = static_cast<size_t>(D) * sizeof(float);
-  rope_append_kernel<<<static_cast<unsigned>(B), threads, smem, current_stream()>>>(
+  const cudaError_t err = launch_pdl(
+      rope_append_kernel, dim3(static_cast<unsigned>(B)), dim3(threads), smem, current_stream(),
       reinterpret_cast<__nv_bfloat16*>(q.data_ptr()), q.stride(0),
       reinterpret_cast<__nv_bfloat16*>(k.data_ptr()), k.stride(0),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), v.stride(0), inv_freq.data_ptr<float>(),
@@ -173,6 +175,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
       k_cache.stride(0), k_cache.stride(1), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
       v_cache.stride(0), v_cache.stride(1), static_cast<int>(H), static_cast<int>(Hkv),
       static_cast<int>(S), static_cast<int>(D));
+  DX_CHECK_LAUNCHED(err, "rope_append");
   DX_CHECK_LAUNCH("rope_append");
 }
 

@@ -509,6 +509,7 @@ sample_kernel(const T* __restrict__ logits,  // [B, V], row stride row_stride
               const int* __restrict__ positions,      // [B]
               int64_t* __restrict__ out,              // [B], stride out_stride
               int64_t out_stride) {
+  pdl_begin();
   __shared__ SampleScratch sc;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t b = blockIdx.x;
@@ -618,10 +619,13 @@ void launch_sample(const at::Tensor& logits, const at::Tensor& temperature, cons
                 " bytes of shared memory per block: ", cudaGetErrorString(err));
     if (dev < 64) attr_set[dev] = true;
   }
-  sample_kernel<T><<<static_cast<unsigned>(logits.size(0)), kSampleThreads, smem, current_stream()>>>(
-      reinterpret_cast<const T*>(logits.data_ptr()), logits.stride(0), logits.size(1), vec_ok,
-      temperature.data_ptr<float>(), top_k.data_ptr<int>(), top_p.data_ptr<float>(),
-      seed.data_ptr<int64_t>(), positions.data_ptr<int>(), out.data_ptr<int64_t>(), out.stride(0));
+  const cudaError_t err = launch_pdl(
+      sample_kernel<T>, dim3(static_cast<unsigned>(logits.size(0))), dim3(kSampleThreads),
+      static_cast<size_t>(smem), current_stream(), reinterpret_cast<const T*>(logits.data_ptr()),
+      logits.stride(0), logits.size(1), vec_ok, temperature.data_ptr<float>(), top_k.data_ptr<int>(),
+      top_p.data_ptr<float>(), seed.data_ptr<int64_t>(), positions.data_ptr<int>(),
+      out.data_ptr<int64_t>(), out.stride(0));
+  DX_CHECK_LAUNCHED(err, "sample");
 }
 
 }  // namespace

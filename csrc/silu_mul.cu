@@ -18,6 +18,7 @@ silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up,  // [M, 2I], row stri
                 int64_t g_stride,
                 __nv_bfloat16* __restrict__ out,  // [M, I], row stride o_stride
                 int64_t o_stride, int64_t total /* M * I/8 */, int nvec /* I/8 */) {
+  pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int64_t row = i / nvec;
@@ -65,9 +66,11 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
   DX_CHECK(blocks <= 0x7fffffff, "silu_mul: M * I too large for one grid");
 
   const c10::cuda::CUDAGuard guard(gate_up.device());
-  silu_mul_kernel<<<static_cast<unsigned>(blocks), kSiluThreads, 0, current_stream()>>>(
+  const cudaError_t err = launch_pdl(
+      silu_mul_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSiluThreads), 0, current_stream(),
       reinterpret_cast<const __nv_bfloat16*>(gate_up.data_ptr()), gate_up.stride(0),
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), out.stride(0), total, static_cast<int>(I / 8));
+  DX_CHECK_LAUNCHED(err, "silu_mul");
   DX_CHECK_LAUNCH("silu_mul");
 }
 
