@@ -1,0 +1,153 @@
+"""decodex.reference against cases worked out by hand: the reference is what every kernel is tested
+against, so it is itself checked on numbers that need no other implementation."""
+import math
+
+import pytest
+import torch
+
+from decodex import reference as ref
+
+
+def test_gemv_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    w = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    assert torch.equal(ref.gemv(x, w), torch.tensor([[1.0, 5.0]]))
+    assert torch.equal(ref.gemv(x, w, torch.tensor([0.5, -5.0])), torch.tensor([[1.5, 0.0]]))
+
+
+def test_rms_norm_by_hand():
+    # rms([3, 4]) = sqrt(12.5); with eps 0 the row becomes [3, 4] / sqrt(12.5) times the weight.
+    out = ref.rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), 0.0)
+    s = math.sqrt(12.5)
+    torch.testing.assert_close(out, torch.tensor([[3 / s, 8 / s]]))
+
+
+def test_fused_add_rms_norm_by_hand():
+    out, residual = ref.fused_add_rms_norm(torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0, 3.0]]),
+                                           torch.tensor([1.0, 1.0]), 0.0)
+    assert torch.equal(residual, torch.tensor([[3.0, 4.0]]))
+    s = math.sqrt(12.5)
+    torch.testing.assert_close(out, torch.tensor([[3 / s, 4 / s]]))
+
+
+def test_rope_by_hand():
+    # D = 4: pairs (0, 2) and (1, 3) with inv_freq [1, 0.01] (theta 10^4).
+    inv_freq = ref.rope_inv_freq(4, 10000.0)
+    torch.testing.assert_close(inv_freq, torch.tensor([1.0, 0.01]))
+    x = torch.tensor([[1.0, 0.0, 0.0, 1.0]])  # one head
+    assert torch.equal(ref.rope(x, torch.tensor(0), inv_freq), x)  # position 0: identity
+    # Position pi/2 turns the first pair (1, 0) by 90 degrees to (0, 1); the second pair turns by
+    # 0.01 * pi/2.
+    p = math.pi / 2
+    out = ref.rope(x, torch.tensor(p), inv_freq)
+    a = 0.01 * p
+    want = torch.tensor([[math.cos(p), -math.sin(a), math.sin(p), math.cos(a)]])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+
+
+def test_llama3_scaling_by_hand():
+    # Frequencies with wavelength above old_context / low_freq_factor are divided by the factor,
+    # those below old_context / high_freq_factor are kept, the band between is interpolated.
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    plain = ref.rope_inv_freq(32, 500000.0)
+    scaled = ref.rope_inv_freq(32, 500000.0, scaling)
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 64 / 4.0
+    low = wavelen > 64 / 1.0
+    assert high.any() and low.any()
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8.0)
+    mid = ~high & ~low
+    assert (scaled[mid] < plain[mid]).all() and (scaled[mid] > plain[mid] / 8.0).all()
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        ref.rope_inv_freq(32, 1e4, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_rope_append_writes_the_cache_at_the_position():
+    k_cache, v_cache = torch.zeros(2, 1, 4, 2), torch.zeros(2, 1, 4, 2)
+    q = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
+    k = torch.tensor([[[0.0, 1.0]], [[0.0, 1.0]]])
+    v = torch.tensor([[[5.0, 6.0]], [[7.0, 8.0]]])
+    inv_freq = torch.tensor([1.0])
+    q_rot, k_rot = ref.rope_append(q, k, v, inv_freq, torch.tensor([0, -1]), k_cache, v_cache)
+    assert torch.equal(q_rot, q) and torch.equal(k_rot, k)  # position 0 (row 0), skipped (row 1)
+    assert torch.equal(k_cache[0, 0, 0], torch.tensor([0.0, 1.0]))
+    assert torch.equal(v_cache[0, 0, 0], torch.tensor([5.0, 6.0]))
+    assert torch.count_nonzero(k_cache[1]) == 0 and torch.count_nonzero(v_cache[1]) == 0
+    with pytest.raises(IndexError, match="past the cache capacity 4"):
+        ref.rope_append(q, k, v, inv_freq, torch.tensor([4, 0]), k_cache, v_cache)
+
+
+def test_silu_mul_by_hand():
+    out = ref.silu_mul(torch.tensor([[0.0, 2.0, 3.0, 5.0]]))  # gate [0, 2], up [3, 5]
+    torch.testing.assert_close(out, torch.tensor([[0.0, 2.0 / (1 + math.exp(-2.0)) * 5.0]]))
+
+
+def test_decode_attention_worked_example():
+    # The cache holds k0 = [1, 0], v0 = [1, 0], k1 = [0, 1], v1 = [0, 1] and the new token k = [1, 1],
+    # v = [2, 2]; q = [2, 2], head dim 2, scale 1/sqrt(2): scores sqrt(2), sqrt(2), 2 sqrt(2).
+    k_cache = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])  # [B=1, Hkv=1, S=3, D=2]
+    v_cache = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]]])
+    out = ref.decode_attention(torch.tensor([[[2.0, 2.0]]]), k_cache, v_cache, torch.tensor([3]),
+                               1 / math.sqrt(2))
+    torch.testing.assert_close(out, torch.tensor([[[1.5092, 1.5092]]]), atol=1e-4, rtol=0)
+    # Length 2 leaves the new token out: two equal scores, the mean of v0 and v1.
+    out2 = ref.decode_attention(torch.tensor([[[2.0, 2.0]]]), k_cache, v_cache, torch.tensor([2]),
+                                1 / math.sqrt(2))
+    torch.testing.assert_close(out2, torch.tensor([[[0.5, 0.5]]]))
+
+
+def test_grouped_query_heads_share_their_kv_head():
+    # 2 query heads over 1 KV head: both read the same cache; a length-0 sequence gets zeros.
+    k_cache = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]], [[[1.0, 0.0], [0.0, 1.0]]]])
+    v_cache = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]], [[[1.0, 0.0], [0.0, 1.0]]]])
+    q = torch.tensor([[[100.0, 0.0], [0.0, 100.0]], [[1.0, 1.0], [1.0, 1.0]]])
+    out = ref.decode_attention(q, k_cache, v_cache, torch.tensor([2, 0]), 1.0)
+    torch.testing.assert_close(out[0], torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert torch.equal(out[1], torch.zeros(2, 2))
+
+
+def test_causal_attention_by_hand():
+    # Query 0 sees key 0 only; query 1 sees both keys, with equal scores.
+    q = torch.zeros(2, 1, 2)
+    k = torch.zeros(2, 1, 2)
+    v = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])
+    out = ref.causal_attention(q, k, v, 1.0)
+    torch.testing.assert_close(out, torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]]))
+
+
+def test_argmax_ties_go_to_the_lowest_index():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0]])
+    assert ref.argmax(logits).tolist() == [1, 0]
+
+
+def test_sample_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # probabilities 1/4, 3/4
+    one = dict(top_k=torch.tensor([0]), top_p=torch.tensor([1.0]), positions=torch.tensor([0]))
+    assert ref.sample(logits, torch.tensor([0.0]), seed=torch.tensor([1]), **one).tolist() == [1]
+    # u < 1/4 picks token 0, u >= 1/4 token 1: find seeds on both sides of the boundary.
+    picks = {}
+    for seed in range(64):
+        u = ref.uniform(seed, 0)
+        picks[u < 0.25] = int(ref.sample(logits, torch.tensor([1.0]), seed=torch.tensor([seed]), **one))
+    assert picks == {True: 0, False: 1}
+    # top_k = 1 and a top_p below the larger probability both keep only token 1.
+    for k, p in [(1, 1.0), (0, 0.5)]:
+        for seed in range(16):
+            got = ref.sample(logits, torch.tensor([1.0]), torch.tensor([k]), torch.tensor([p]),
+                             torch.tensor([seed]), torch.tensor([0]))
+            assert got.tolist() == [1]
+
+
+def test_uniform_is_a_fixed_function_of_seed_and_position():
+    assert ref.uniform(7, 11) == ref.uniform(7, 11)
+    draws = [ref.uniform(7, p) for p in range(1000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert 0.45 < sum(draws) / len(draws) < 0.55
+    assert ref.seed_int64(2**64 - 1) == -1 and ref.seed_int64(5) == 5
+
+
+def test_advance_positions_by_hand():
+    pos, lens = ref.advance_positions(torch.tensor([0, 5, -1]), torch.tensor([1, 6, 0]))
+    assert pos.tolist() == [1, 6, -1] and lens.tolist() == [2, 7, 0]
