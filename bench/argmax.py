@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
 
 SHAPES = [(1, 151936, torch.bfloat16), (8, 151936, torch.bfloat16), (1, 152064, torch.bfloat16),
           (8, 152064, torch.bfloat16), (64, 151936, torch.bfloat16), (1, 151936, torch.float32)]
@@ -41,9 +41,7 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
 
 
 def main(argv=None) -> None:
-    bw = read_bandwidth_gbs()
-    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
-    print_table(TITLE, HEADERS, rows(bw))
+    bench_main(TITLE, HEADERS, rows)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,13 @@ def print_table(title: str, headers: list[str], rows: list[list], file=None) -> 
     return text
 
 
+def bench_main(title: str, headers: list[str], rows) -> None:
+    """The main() of an op benchmark: measure the ceiling, then print `rows(bw)` as one table."""
+    bw = read_bandwidth_gbs()
+    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
+    print_table(title, headers, rows(bw))
+
+
 def _fmt(c) -> str:
     if isinstance(c, float):
         return f"{c:.1f}" if abs(c) >= 10 else f"{c:.2f}"

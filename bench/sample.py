@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
 
 V = 151936
 # (B, dtype, temperature, top_k, top_p)
@@ -70,9 +70,7 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
 
 
 def main(argv=None) -> None:
-    bw = read_bandwidth_gbs()
-    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
-    print_table(TITLE, HEADERS, rows(bw))
+    bench_main(TITLE, HEADERS, rows)
 
 
 if __name__ == "__main__":

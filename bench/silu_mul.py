@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
 
 SHAPES = [(1, 8960), (1, 18944), (8, 18944), (3000, 8960), (3000, 18944)]  # (M, I)
 TITLE = "silu_mul: decodex vs F.silu(g) * u, L2-cold, CUDA graph, median"
@@ -44,9 +44,7 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
 
 
 def main(argv=None) -> None:
-    bw = read_bandwidth_gbs()
-    print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
-    print_table(TITLE, HEADERS, rows(bw))
+    bench_main(TITLE, HEADERS, rows)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "mma.cuh"
 #include "ops.h"
 
 namespace decodex {
@@ -75,16 +76,6 @@ __device__ __forceinline__ uint4 load16_or_zero(const __nv_bfloat16* p, bool ok)
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p), "r"(static_cast<int>(ok)));
   return r;
-}
-
-// d += A[16x16] . B[16x8], bf16 operands, fp32 accumulators (PTX fragment layouts).
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane l: row l/4, cols
@@ -141,7 +132,7 @@ __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int c = kk >> 1, w = (kk & 1) * 2;
-    mma_16816(s, word(tile.k[0][c], w), word(tile.k[1][c], w), word(tile.k[0][c], w + 1),
+    mma_bf16_16816(s, word(tile.k[0][c], w), word(tile.k[1][c], w), word(tile.k[0][c], w + 1),
               word(tile.k[1][c], w + 1), word(qf[c], w), word(qf[c], w + 1));
   }
   // s[0], s[1]: token g, heads 2t, 2t+1; s[2], s[3]: token g + 8. Padded tokens -> -inf.
@@ -186,7 +177,7 @@ __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (
     for (int p = 0; p < 4; ++p) {
       const uint32_t v0 = word(tile.v[0][h], p), v1 = word(tile.v[1][h], p);
       const uint32_t v2 = word(tile.v[2][h], p), v3 = word(tile.v[3][h], p);
-      mma_16816(o[h * 4 + p], __byte_perm(v0, v1, 0x5410), __byte_perm(v0, v1, 0x7632),
+      mma_bf16_16816(o[h * 4 + p], __byte_perm(v0, v1, 0x5410), __byte_perm(v0, v1, 0x7632),
                 __byte_perm(v2, v3, 0x5410), __byte_perm(v2, v3, 0x7632), pb0, pb1);
     }
   }

@@ -43,6 +43,7 @@
 #include <map>
 
 #include "common.h"
+#include "mma.cuh"
 #include "ops.h"
 
 namespace decodex {
@@ -89,18 +90,6 @@ __device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p, bool pred) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p), "r"(static_cast<int>(pred)));
   return v;
-}
-
-// d[16x8] += a[16x16] * b[16x8], bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint32_t b0,
-                                               uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
 }
 
 // Grid: ceil(ceil(N/16) / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.

@@ -16,17 +16,15 @@ alone.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from decodex import _ext, reference
-from decodex.tokenizer import IncrementalDecoder, Tokenizer
+from decodex.tokenizer import IncrementalDecoder, Tokenizer, read_json
 
 
 @dataclass
@@ -67,14 +65,6 @@ class GenerationStats:
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        value = json.load(f)
-    return value if isinstance(value, dict) else {}
-
-
 def load(path=None, device=None, dtype=None, quiet: bool = False):
     """An HF-format model directory -> decodex Model with `.tokenizer` (Tokenizer),
     `.generation_config` (dict from generation_config.json), `.eos_token_ids` and `.path` attached.
@@ -93,7 +83,7 @@ def load(path=None, device=None, dtype=None, quiet: bool = False):
         dtype = _parse_dtype(dtype)
     model = loader.load_model(path, device=device, dtype=dtype, quiet=quiet)
     model.tokenizer = Tokenizer.from_dir(path)
-    model.generation_config = _read_json(os.path.join(path, "generation_config.json"))
+    model.generation_config = read_json(os.path.join(path, "generation_config.json"))
     model.eos_token_ids = list(model.tokenizer.eos_token_ids or model.config.eos_token_id)
     model.path = path
     return model

@@ -18,7 +18,8 @@ from functools import lru_cache
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """A JSON object from path; {} when the file is missing or holds something else."""
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -93,9 +94,9 @@ class Tokenizer:
         if not os.path.isfile(tok_file):
             raise FileNotFoundError(f"{tok_file}: not found (decodex needs a fast-tokenizer tokenizer.json)")
         tok = _HFTokenizer.from_file(tok_file)
-        tok_config = _read_json(os.path.join(path, "tokenizer_config.json"))
-        gen_config = _read_json(os.path.join(path, "generation_config.json"))
-        model_config = _read_json(os.path.join(path, "config.json"))
+        tok_config = read_json(os.path.join(path, "tokenizer_config.json"))
+        gen_config = read_json(os.path.join(path, "generation_config.json"))
+        model_config = read_json(os.path.join(path, "config.json"))
 
         template = None
         jinja_file = os.path.join(path, "chat_template.jinja")
@@ -109,7 +110,7 @@ class Tokenizer:
                 template = named.get("default") or next(iter(named.values()), None)
         if template is None:
             json_file = os.path.join(path, "chat_template.json")
-            template = _read_json(json_file).get("chat_template")
+            template = read_json(json_file).get("chat_template")
 
         special = {key: _token_text(tok_config.get(key)) for key in _SPECIAL_KEYS}
 

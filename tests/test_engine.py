@@ -602,7 +602,7 @@ def test_finished_sequences_stop():
         pytest.skip("no usable EOS candidate in this random model's output")
     eos = base[1][k]
     runner.eos_ids = {eos}
-    got, snap, checked = {}, {}, set()
+    got, snap = {}, {}
     for out in runner.run(prompts, [None] * 3, [4, 40, 60]):
         for i, t in out:
             got.setdefault(i, []).append(t)
@@ -612,6 +612,7 @@ def test_finished_sequences_stop():
                 torch.cuda.synchronize()  # the extra in-flight steps have run
                 assert int(runner.positions[i]) == -1 and int(runner.lengths[i]) == 0, f"row {i} still live"
                 snap[i] = (runner.cache.k[0][i].clone(), runner.cache.v[-1][i].clone())
+    assert set(snap) == {0, 1}, "a finished row was never seen dead on the device"
     want0 = base[0][:4]
     want1 = base[1][:k + 1]
     assert got[0] == want0

@@ -3,7 +3,6 @@ in fp32 with the ReferenceRunner: stop strings, EOS, streaming, seeds, batching,
 context limits, the default model. Plus the stop-string scanner on its own, and on a GPU (marked)
 the same behaviour through the kernels and the CUDA-graph runner."""
 import importlib
-import os
 
 import pytest
 import torch
