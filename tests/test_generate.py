@@ -148,6 +148,24 @@ def test_batch_equals_individual_runs(model):
     assert G.generate(model, prompts[:2], **kw) == [G.generate(model, p, **kw) for p in prompts[:2]]
 
 
+def test_batch_of_mixed_lengths_equals_each_alone(model):
+    """Prompts of 5, 700 and 3000 tokens decoded together give each one's greedy tokens alone:
+    shorter sequences never attend to another's padding (issue: exact batching)."""
+    filler = " ".join(f"Item {i} of the list is the word {w}." for i, w in
+                      enumerate(["apple", "river", "stone", "cloud", "lamp"] * 120))
+    ids = model.tokenizer.encode(filler)
+    assert len(ids) >= 3000
+    prompts = [ids[:5], ids[:700], ids[:3000]]
+    max_new = 8
+    alone = [_tokens(model, p, max_new) for p in prompts]
+    runner = G.ReferenceRunner(model, 3, 3000 + max_new)
+    together = {0: [], 1: [], 2: []}
+    for step in runner.run(prompts, [G.SamplingParams()] * 3, [max_new] * 3):
+        for i, t in step:
+            together[i].append(t)
+    assert [together[i] for i in range(3)] == alone
+
+
 def test_chat_handling(model):
     """chat=None on a model with a template: the string is the user message. chat=False: raw text."""
     as_chat = G.generate(model, CAPITAL, max_new_tokens=12)
