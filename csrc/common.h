@@ -1,5 +1,6 @@
 // Shared helpers for decodex's launchers: argument checks with messages that name the argument,
-// the launch-error check, and small device utilities used by more than one kernel.
+// the launch-error checks, programmatic dependent launch, and small device utilities used by more
+// than one kernel.
 // Kept light on purpose (no torch/all.h): every .cu includes it, and nvcc compile time matters on
 // 2-core CI machines.
 #pragma once
@@ -13,18 +14,19 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <utility>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace decodex {
 
-// Error messages. On the H200 image a TORCH_CHECK message that streamed a number from this library
-// crashed the process (strings were fine: the integer goes through the iostream locale machinery of
-// another libstdc++ than the one this library was compiled with). So every message is built here
-// as one std::string, numbers through std::to_string / snprintf, and handed to TORCH_CHECK whole.
-// DX_CHECK(cond, parts...) is TORCH_CHECK with that formatting; use it for every check in csrc/.
+// Error messages. On the H200 test image, a failing TORCH_CHECK whose message streamed a number from
+// this library crashed the process under pytest, while messages made only of strings raised as they
+// should. The cause was not pinned down (our guess: the iostream number formatting of a second
+// libstdc++ in the process). So every message is built here as one std::string, numbers through
+// std::to_string / snprintf, and handed to TORCH_CHECK whole; with that, every argument-check test
+// passes there. DX_CHECK(cond, parts...) is TORCH_CHECK with this formatting: use it in csrc/.
 inline std::string shape_str(c10::IntArrayRef sizes);
 namespace detail {
 inline std::string piece(const char* s) { return s; }
