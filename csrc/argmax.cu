@@ -63,7 +63,7 @@ argmax_kernel(const T* __restrict__ logits,  // [B, V], row stride row_stride
   __threadfence();
   best = 0;
   for (int i = threadIdx.x; i < chunks; i += blockDim.x)
-    best = max_u64(best, __ldcg(&g_argmax_partial[b * kArgmaxMaxChunks + i]));
+    best = Max{}(best, __ldcg(&g_argmax_partial[b * kArgmaxMaxChunks + i]));
   best = block_max_u64(best, scratch);
   if (threadIdx.x == 0) {
     out[b * out_stride] = argmax_key_index(best);

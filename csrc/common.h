@@ -169,30 +169,44 @@ __device__ __forceinline__ bf16x8 float_to_bf16x8(const float (&f)[8]) {
   return v;
 }
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
+// Reductions over a warp or a whole block with an associative op (Sum, Max below). A block
+// reduction needs blockDim.x a multiple of 32 (at most 1024) and 32 Ts of shared `scratch`;
+// `identity` stands in for absent warps. Every thread gets the result.
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ unsigned long long operator()(unsigned long long a,
+                                                           unsigned long long b) const {
+    return a > b ? a : b;
+  }
+};
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum over a whole block (blockDim.x a multiple of 32, at most 1024). `scratch` holds 32 floats.
-// Every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* scratch, Op op, T identity) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < nwarps ? scratch[lane] : 0.f;
-  return warp_sum(v);
+  v = lane < nwarps ? scratch[lane] : identity;
+  return warp_reduce(v, op);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce(v, scratch, Sum{}, 0.f);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  return block_reduce(v, scratch, Max{}, -INFINITY);
 }
 
 }  // namespace decodex

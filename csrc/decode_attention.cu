@@ -40,7 +40,7 @@
 #include <type_traits>
 
 #include "common.h"
-#include "mma.cuh"
+#include "ptx.cuh"
 #include "ops.h"
 
 namespace decodex {
@@ -58,24 +58,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is a compile-time constant
-}
-
-// 16 bytes from global memory, or zeros when `ok` is false (no load issued). A predicated load
-// rather than a branch; read-only path, not kept in L1 (each cache row is read once).
-__device__ __forceinline__ uint4 load16_or_zero(const __nv_bfloat16* p, bool ok) {
-  uint4 r;
-  asm("{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(static_cast<int>(ok)));
-  return r;
 }
 
 // Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane l: row l/4, cols
@@ -109,7 +91,7 @@ __device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* 
     const bool ok = tok < end;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c)
-      tile.k[r][c] = load16_or_zero(k_rows + (int64_t)tok * D + 32 * c + 8 * t, ok);
+      tile.k[r][c] = load16_stream(k_rows + (int64_t)tok * D + 32 * c + 8 * t, ok);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -117,7 +99,7 @@ __device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* 
     const bool ok = tok < end;
 #pragma unroll
     for (int h = 0; h < D / 64; ++h)
-      tile.v[i][h] = load16_or_zero(v_rows + (int64_t)tok * D + 64 * h + 8 * g, ok);
+      tile.v[i][h] = load16_stream(v_rows + (int64_t)tok * D + 64 * h + 8 * g, ok);
   }
 }
 
@@ -226,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     const bool live = g < heads;
     const __nv_bfloat16* q_row = q + (int64_t)b * q_bstride + (int64_t)(head0 + (live ? g : 0)) * D;
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) qf[c] = load16_or_zero(q_row + 32 * c + 8 * t, live);
+    for (int c = 0; c < D / 32; ++c) qf[c] = load16_stream(q_row + 32 * c + 8 * t, live);
   }
 
   const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
@@ -305,16 +287,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     *reinterpret_cast<float2*>(row + 2 * d2) = acc;
     if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
   }
-}
-
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? scratch[lane] : -INFINITY;
-  return warp_max(v);
 }
 
 // Phase 2: grid (H, B, D / 32), kCombineThreads threads; block (head, b, slice) writes out[b, head,

@@ -43,7 +43,7 @@
 #include <map>
 
 #include "common.h"
-#include "mma.cuh"
+#include "ptx.cuh"
 #include "ops.h"
 
 namespace decodex {
@@ -53,44 +53,6 @@ constexpr int kTileRows = 16;  // weight rows per warp: the mma's m
 constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
-
-// 16 bytes of weight, zeros when !pred. Predicated inside the asm so the load can never be
-// speculated past its guard.
-__device__ __forceinline__ uint4 load_weight(const __nv_bfloat16* p, bool pred) {
-  uint4 v;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(static_cast<int>(pred)));
-  return v;
-}
-
-// 16 bytes of x through the read-only path (cached in L1: reused by every warp of the SM that
-// works on the same k-range), zeros when !pred.
-__device__ __forceinline__ uint4 load_x(const __nv_bfloat16* p, bool pred) {
-  uint4 v;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  setp.ne.b32 p, %5, 0;\n"
-      "  mov.b32 %0, 0;\n"
-      "  mov.b32 %1, 0;\n"
-      "  mov.b32 %2, 0;\n"
-      "  mov.b32 %3, 0;\n"
-      "  @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      "}\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(static_cast<int>(pred)));
-  return v;
-}
 
 // Grid: ceil(ceil(N/16) / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk (16 weight rows), k-range (b % c) * wk + w % wk
@@ -136,14 +98,14 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
       const bool in = (s + j < s_end) && (k < K);
-      wa[j] = load_weight(w0 + k, in && ok0);
-      wb[j] = load_weight(w1 + k, in && ok1);
+      wa[j] = load16_stream_l2_256(w0 + k, in && ok0);
+      wb[j] = load16_stream_l2_256(w1 + k, in && ok1);
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
       const bool in = (s + j < s_end) && (k < K);
-      xv[j] = load_x(xg + k, in && xok);
+      xv[j] = load16_cached(xg + k, in && xok);
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {

@@ -52,23 +52,9 @@ __device__ __forceinline__ int64_t argmax_key_index(u64 key) {
   return static_cast<int64_t>(~static_cast<unsigned>(key & 0xffffffffull));
 }
 
-__device__ __forceinline__ u64 max_u64(u64 a, u64 b) { return a > b ? a : b; }
-
-__device__ __forceinline__ u64 warp_max_u64(u64 v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max_u64(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // Max over a whole block (blockDim.x a multiple of 32). `scratch` holds 32 keys. Every thread gets it.
 __device__ __forceinline__ u64 block_max_u64(u64 v, u64* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_max_u64(v);
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? scratch[lane] : 0ull;
-  return warp_max_u64(v);
+  return block_reduce(v, scratch, Max{}, u64{0});
 }
 
 // The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride blockDim).
@@ -81,7 +67,7 @@ __device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t 
     const int n = load8(row, V, c, vec_ok, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      if (j < n) best = max_u64(best, argmax_key(f[j], static_cast<unsigned>(c * 8 + j)));
+      if (j < n) best = Max{}(best, argmax_key(f[j], static_cast<unsigned>(c * 8 + j)));
   }
   return best;
 }

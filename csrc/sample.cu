@@ -424,7 +424,7 @@ static __device__ bool prepare_f32(const float* __restrict__ row, int64_t V, boo
           sum += m[j];
           if (rs.bin_cnt[255 - 8 * lane - j]) present |= 1u << j;
         }
-        if (shift == 24) Z = warp_sum(sum);
+        if (shift == 24) Z = warp_reduce(sum, Sum{});
         const double incl = warp_inclusive_scan(sum);
         double excl = __shfl_up_sync(0xffffffffu, incl, 1);
         if (lane == 0) excl = 0.0;
