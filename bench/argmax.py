@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, compare_row, read_bandwidth_gbs
 
 SHAPES = [(1, 151936, torch.bfloat16), (8, 151936, torch.bfloat16), (1, 152064, torch.bfloat16),
           (8, 152064, torch.bfloat16), (64, 151936, torch.bfloat16), (1, 151936, torch.float32)]
@@ -25,18 +25,12 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     bw = bandwidth_gbs or read_bandwidth_gbs()
     out = []
     for B, V, dtype in SHAPES:
-        esize = torch.finfo(dtype).bits // 8
-        nbytes = B * V * esize
-        n = copies_for(nbytes)
-        logits = [torch.randn(B, V, device="cuda").to(dtype) for _ in range(n)]
-        outs = [torch.empty(B, dtype=torch.int64, device="cuda") for _ in range(n)]
-        ours = time_graph([lambda i=i: torch.ops.decodex.argmax(logits[i], outs[i]) for i in range(n)])
-        base = time_graph([lambda i=i: torch.argmax(logits[i], dim=-1) for i in range(n)])
-        gbs = nbytes / ours / 1e3
+        nbytes = B * V * (torch.finfo(dtype).bits // 8)
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
-        out.append([f"B={B} V={V} {name}", ours, base, gbs, 100 * gbs / bw, base / ours])
-        del logits, outs
-        torch.cuda.empty_cache()
+        out.append(compare_row(
+            f"B={B} V={V} {name}", nbytes, bw,
+            lambda: (torch.randn(B, V, device="cuda").to(dtype), torch.empty(B, dtype=torch.int64, device="cuda")),
+            torch.ops.decodex.argmax, lambda logits, _: torch.argmax(logits, dim=-1)))
     return out
 
 

@@ -48,6 +48,21 @@ def time_graph(calls, reps: int = 30, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def compare_row(label: str, nbytes: int, bw_gbs: float, make_inputs, ours, base, reps: int = 30) -> list:
+    """One row of an op table: [label, decodex us, baseline us, GB/s, % of bw, speedup].
+
+    `make_inputs()` returns one input set (a tuple); copies_for(nbytes) of them are made so the stack
+    is L2-cold, and `ours(*inputs)` / `base(*inputs)` are timed over all of them by time_graph.
+    `nbytes` is what one call must move (its reads and writes), for GB/s."""
+    sets = [make_inputs() for _ in range(copies_for(nbytes))]
+    t_ours = time_graph([lambda s=s: ours(*s) for s in sets], reps)
+    t_base = time_graph([lambda s=s: base(*s) for s in sets], reps)
+    del sets
+    torch.cuda.empty_cache()
+    gbs = nbytes / t_ours / 1e3
+    return [label, t_ours, t_base, gbs, 100 * gbs / bw_gbs, t_base / t_ours]
+
+
 def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device bandwidth ceiling in GB/s, measured now: the better of a large device-to-device copy
     (bytes read + written) and a large read-only reduction. Both are L2-cold at this size."""

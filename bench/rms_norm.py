@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, compare_row, read_bandwidth_gbs
 
 SHAPES = [(1, 1536), (1, 3584), (8, 3584), (3000, 1536), (3000, 3584)]  # (M, K)
 EPS = 1e-6
@@ -43,24 +43,18 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     bf = dict(device="cuda", dtype=torch.bfloat16)
     for fused in (False, True):
         for M, K in SHAPES:
-            nbytes = 2 * (M * K * (4 if fused else 2) + K)
-            n = copies_for(nbytes)
-            xs = [torch.randn(M, K, **bf) for _ in range(n)]
-            rs = [torch.randn(M, K, **bf) for _ in range(n)] if fused else None
-            ws = [torch.randn(K, **bf) for _ in range(n)]
-            os_ = [torch.empty(M, K, **bf) for _ in range(n)]
-            if fused:
-                ours = time_graph([lambda i=i: torch.ops.decodex.fused_add_rms_norm(xs[i], rs[i], ws[i], EPS, os_[i])
-                                   for i in range(n)])
-                base = time_graph([lambda i=i: _torch_fused(xs[i], rs[i], ws[i]) for i in range(n)])
-            else:
-                ours = time_graph([lambda i=i: torch.ops.decodex.rms_norm(xs[i], ws[i], EPS, os_[i]) for i in range(n)])
-                base = time_graph([lambda i=i: _torch_norm(xs[i], ws[i]) for i in range(n)])
-            gbs = nbytes / ours / 1e3
+            if fused:  # x, residual, weight, out
+                make = lambda: (torch.randn(M, K, **bf), torch.randn(M, K, **bf),  # noqa: E731
+                                torch.randn(K, **bf), torch.empty(M, K, **bf))
+                ours = lambda x, r, w, o: torch.ops.decodex.fused_add_rms_norm(x, r, w, EPS, o)  # noqa: E731
+                base = lambda x, r, w, o: _torch_fused(x, r, w)  # noqa: E731
+            else:  # x, weight, out
+                make = lambda: (torch.randn(M, K, **bf), torch.randn(K, **bf), torch.empty(M, K, **bf))  # noqa: E731
+                ours = lambda x, w, o: torch.ops.decodex.rms_norm(x, w, EPS, o)  # noqa: E731
+                base = lambda x, w, o: _torch_norm(x, w)  # noqa: E731
             name = "fused_add_rms_norm" if fused else "rms_norm"
-            out.append([f"{name} M={M} K={K}", ours, base, gbs, 100 * gbs / bw, base / ours])
-            del xs, rs, ws, os_
-            torch.cuda.empty_cache()
+            out.append(compare_row(f"{name} M={M} K={K}", 2 * (M * K * (4 if fused else 2) + K), bw,
+                                   make, ours, base))
     return out
 
 

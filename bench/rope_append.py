@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, compare_row, read_bandwidth_gbs
 
 CONFIGS = [("1.5B", 12, 2, 128), ("7B", 28, 4, 128)]  # (model, H, Hkv, D)
 BS = [1, 8]
@@ -51,23 +51,19 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     for model, H, Hkv, D in CONFIGS:
         inv_freq = reference.rope_inv_freq(D, 1_000_000.0).cuda()
         for B in BS:
-            nbytes = 2 * (2 * H * D + 3 * Hkv * D + 2 * Hkv * D) * B
-            n = copies_for(nbytes)
-            qkvs = [torch.randn(B, (H + 2 * Hkv) * D, **bf) for _ in range(n)]
-            views = [(x[:, : H * D].view(B, H, D), x[:, H * D : (H + Hkv) * D].view(B, Hkv, D),
-                      x[:, (H + Hkv) * D :].view(B, Hkv, D)) for x in qkvs]
-            kcs = [torch.zeros(B, Hkv, S, D, **bf) for _ in range(n)]
-            vcs = [torch.zeros(B, Hkv, S, D, **bf) for _ in range(n)]
             positions = torch.randint(0, S, (B,), dtype=torch.int32, device="cuda")
             bidx = torch.arange(B, device="cuda")
-            ours = time_graph([lambda i=i: torch.ops.decodex.rope_append(*views[i], inv_freq, positions, kcs[i], vcs[i])
-                               for i in range(n)])
-            base = time_graph([lambda i=i: _torch_rope_append(*views[i], inv_freq, positions, kcs[i], vcs[i], bidx)
-                               for i in range(n)])
-            gbs = nbytes / ours / 1e3
-            out.append([f"{model} H={H} Hkv={Hkv} D={D} B={B}", ours, base, gbs, 100 * gbs / bw, base / ours])
-            del qkvs, views, kcs, vcs
-            torch.cuda.empty_cache()
+
+            def make():  # q, k, v (views of one merged qkv row buffer), k_cache, v_cache
+                x = torch.randn(B, (H + 2 * Hkv) * D, **bf)
+                return (x[:, : H * D].view(B, H, D), x[:, H * D : (H + Hkv) * D].view(B, Hkv, D),
+                        x[:, (H + Hkv) * D :].view(B, Hkv, D), torch.zeros(B, Hkv, S, D, **bf),
+                        torch.zeros(B, Hkv, S, D, **bf))
+
+            out.append(compare_row(
+                f"{model} H={H} Hkv={Hkv} D={D} B={B}", 2 * (2 * H * D + 3 * Hkv * D + 2 * Hkv * D) * B, bw,
+                make, lambda q, k, v, kc, vc: torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc),
+                lambda q, k, v, kc, vc: _torch_rope_append(q, k, v, inv_freq, positions, kc, vc, bidx)))
     return out
 
 

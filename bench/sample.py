@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, compare_row, read_bandwidth_gbs
 
 V = 151936
 # (B, dtype, temperature, top_k, top_p)
@@ -46,10 +46,6 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     bw = bandwidth_gbs or read_bandwidth_gbs()
     out = []
     for B, dtype, t, k, p in CASES:
-        esize = torch.finfo(dtype).bits // 8
-        nbytes = B * V * esize
-        n = copies_for(nbytes)
-        logits = [(2.0 * torch.randn(B, V, device="cuda")).to(dtype) for _ in range(n)]
         dev = dict(device="cuda")
         temp = torch.full((B,), t, **dev)
         top_k = torch.full((B,), k, dtype=torch.int32, **dev)
@@ -57,15 +53,12 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
         seed = torch.arange(B, dtype=torch.int64, **dev)
         pos = torch.arange(B, dtype=torch.int32, **dev)
         u = torch.rand(B, **dev)
-        outs = [torch.empty(B, dtype=torch.int64, **dev) for _ in range(n)]
-        ours = time_graph([lambda i=i: torch.ops.decodex.sample(logits[i], temp, top_k, top_p, seed, pos, outs[i])
-                           for i in range(n)], reps=10)
-        base = time_graph([lambda i=i: _torch_sample(logits[i], temp, k, top_p, u) for i in range(n)], reps=10)
-        gbs = nbytes / ours / 1e3
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
-        out.append([f"B={B} V={V} {name} t={t} k={k} p={p}", ours, base, gbs, 100 * gbs / bw, base / ours])
-        del logits, outs
-        torch.cuda.empty_cache()
+        out.append(compare_row(
+            f"B={B} V={V} {name} t={t} k={k} p={p}", B * V * (torch.finfo(dtype).bits // 8), bw,
+            lambda: ((2.0 * torch.randn(B, V, **dev)).to(dtype), torch.empty(B, dtype=torch.int64, **dev)),
+            lambda logits, o: torch.ops.decodex.sample(logits, temp, top_k, top_p, seed, pos, o),
+            lambda logits, _: _torch_sample(logits, temp, k, top_p, u), reps=10))
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_main, copies_for, read_bandwidth_gbs, time_graph
+from bench.common import bench_main, compare_row, read_bandwidth_gbs
 
 SHAPES = [(1, 8960), (1, 18944), (8, 18944), (3000, 8960), (3000, 18944)]  # (M, I)
 TITLE = "silu_mul: decodex vs F.silu(g) * u, L2-cold, CUDA graph, median"
@@ -30,16 +30,10 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     out = []
     bf = dict(device="cuda", dtype=torch.bfloat16)
     for M, I in SHAPES:
-        nbytes = 2 * (M * 2 * I + M * I)
-        n = copies_for(nbytes)
-        gus = [torch.randn(M, 2 * I, **bf) for _ in range(n)]
-        outs = [torch.empty(M, I, **bf) for _ in range(n)]
-        ours = time_graph([lambda i=i: torch.ops.decodex.silu_mul(gus[i], outs[i]) for i in range(n)])
-        base = time_graph([lambda i=i: F.silu(gus[i][:, :I]) * gus[i][:, I:] for i in range(n)])
-        gbs = nbytes / ours / 1e3
-        out.append([f"M={M} I={I}", ours, base, gbs, 100 * gbs / bw, base / ours])
-        del gus, outs
-        torch.cuda.empty_cache()
+        out.append(compare_row(
+            f"M={M} I={I}", 2 * (M * 2 * I + M * I), bw,
+            lambda: (torch.randn(M, 2 * I, **bf), torch.empty(M, I, **bf)),
+            torch.ops.decodex.silu_mul, lambda gu, _: F.silu(gu[:, :I]) * gu[:, I:]))
     return out
 
 

@@ -1,0 +1,39 @@
+"""The benchmark harness's arithmetic, which needs no GPU: how many input sets make a stack L2-cold,
+what a table row holds, and how the table prints. (The timing itself runs on the GPU only.)"""
+import bench.common as bc
+
+
+def test_copies_for_exceeds_the_cold_stack():
+    assert bc.copies_for(1 << 20) * (1 << 20) >= bc.COLD_BYTES
+    assert bc.copies_for(10 << 30) == 4  # a single huge set still gets the minimum
+    assert bc.copies_for(1) == 512  # tiny sets are capped
+
+
+def test_compare_row(monkeypatch):
+    timed = []
+
+    def fake_time_graph(calls, reps=30):
+        for c in calls:
+            c()
+        timed.append(len(calls))
+        return 2.0 if len(timed) == 1 else 6.0  # ours first, then the baseline
+
+    monkeypatch.setattr(bc, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bc, "copies_for", lambda nbytes: 3)
+    monkeypatch.setattr(bc.torch.cuda, "empty_cache", lambda: None)
+    seen = {"ours": [], "base": []}
+    made = iter(range(100))
+    row = bc.compare_row("op", 4_000_000, 4000.0, lambda: (next(made), "out"),
+                         lambda a, b: seen["ours"].append((a, b)), lambda a, b: seen["base"].append((a, b)))
+    assert timed == [3, 3]
+    assert seen["ours"] == seen["base"] == [(0, "out"), (1, "out"), (2, "out")]
+    # 4 MB in 2 us = 2000 GB/s = 50% of 4000 GB/s; the baseline is 3x slower.
+    assert row == ["op", 2.0, 6.0, 2000.0, 50.0, 3.0]
+
+
+def test_print_table(tmp_path, capsys):
+    out = tmp_path / "t.md"
+    text = bc.print_table("title", ["a", "bb"], [[1.234, "x"], [123.4, "yy"]], file=str(out))
+    assert "### title" in text and "|  1.23 |  x |" in text and "| 123.4 | yy |" in text
+    assert out.read_text().startswith("### title")
+    assert "### title" in capsys.readouterr().out
