@@ -1,5 +1,6 @@
 """Test setup shared by every test file: the `gpu` marker skips (with its reason) where there is no
-CUDA GPU or the kernels are not built, and each test starts from a fixed seed."""
+CUDA GPU or the kernels are not built, the `ext` marker where the kernels are not built (schemas and
+fake impls are tested without a GPU), and each test starts from a fixed seed."""
 import pytest
 import torch
 
@@ -21,12 +22,13 @@ def _gpu_skip_reason():
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _gpu_skip_reason()
-    if reason is None:
-        return
+    gpu_reason = _gpu_skip_reason()
+    ext_reason = None if _ext.available() else f"needs the built kernels: {_ext.why_unavailable()}"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        if "gpu" in item.keywords and gpu_reason:
+            item.add_marker(pytest.mark.skip(reason=gpu_reason))
+        elif "ext" in item.keywords and ext_reason:
+            item.add_marker(pytest.mark.skip(reason=ext_reason))
 
 
 @pytest.fixture(autouse=True)

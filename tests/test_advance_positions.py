@@ -9,14 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodex import _ext, reference
+from decodex import reference
 
 BS = [1, 5, 64, 300]
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _state(B):
@@ -95,14 +90,14 @@ def test_advance_positions_opcheck():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_advance_positions_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.advance_positions.default._schema)
     assert s == "decodex::advance_positions(Tensor(a!) positions, Tensor(b!) lengths) -> ()", s
 
 
+@pytest.mark.ext
 def test_advance_positions_fake_and_meta():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -113,8 +108,8 @@ def test_advance_positions_fake_and_meta():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_advance_positions_cpu_tensors_refused():
-    _skip_without_ext()
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.advance_positions(torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
 

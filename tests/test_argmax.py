@@ -12,16 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodex import _ext, reference
+from decodex import reference
 
 BS = [1, 3, 8, 64]
 VS = [1, 7, 1000, 32003, 151936, 152064]
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _logits(B, V, dtype, scale=3.0):
@@ -178,14 +173,14 @@ def test_argmax_rejects():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_argmax_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.argmax.default._schema)
     assert s == "decodex::argmax(Tensor logits, Tensor(a!) out) -> ()", s
 
 
+@pytest.mark.ext
 def test_argmax_fake_tensor_mode():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -193,15 +188,15 @@ def test_argmax_fake_tensor_mode():
         assert torch.ops.decodex.argmax(lg, torch.empty(3, device="cuda", dtype=torch.int64)) is None
 
 
+@pytest.mark.ext
 def test_argmax_meta_opcheck():
-    _skip_without_ext()
     lg = torch.empty(3, 1000, device="meta", dtype=torch.bfloat16)
     out = torch.empty(3, device="meta", dtype=torch.int64)
     torch.library.opcheck(torch.ops.decodex.argmax.default, (lg, out),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_argmax_cpu_tensors_refused():
-    _skip_without_ext()
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.argmax(torch.randn(2, 10), torch.empty(2, dtype=torch.int64))

@@ -16,7 +16,7 @@ class _Block(torch.nn.Module):
         return act
 
 
-@pytest.mark.skipif(not decodex._ext.available(), reason="needs the built extension")
+@pytest.mark.ext
 def test_export_traces_the_ops_on_fake_tensors():
     bf = dict(dtype=torch.bfloat16)
     args = (torch.randn(2, 64, **bf), torch.randn(2, 64, **bf), torch.randn(64, **bf),

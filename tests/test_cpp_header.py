@@ -13,7 +13,7 @@ def test_include_dir_has_header():
     assert os.path.isfile(os.path.join(decodex.include_dir(), "decodex", "decodex_ops.h"))
 
 
-@pytest.mark.skipif(not decodex._ext.available(), reason="needs the built extension")
+@pytest.mark.ext
 def test_header_calls_op_from_another_extension(tmp_path):
     from torch.utils.cpp_extension import load_inline
 

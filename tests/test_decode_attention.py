@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodex import _ext, reference
+from decodex import reference
 
 # (H, Hkv): Qwen2.5-1.5B (group 6), plain multi-head, Qwen2.5-7B (group 7), group 4 on one KV head.
 HEADS = [(12, 2), (8, 8), (28, 4), (4, 1)]
@@ -36,10 +36,6 @@ if QUICK:
 # attention does; ~2^-9 of each weight, averaging out over the tokens): 2 bf16 ulps relative plus
 # a small absolute floor for outputs near 0.
 TOL = {torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
-
-needs_ext = pytest.mark.skipif(not _ext.available(),
-                               reason=f"needs the built kernels: {_ext.why_unavailable()}")
-
 
 def _ops():
     return torch.ops.decodex
@@ -299,14 +295,14 @@ def test_rejects_cpu_lengths_and_bad_cache_strides():
 # ---------------------------------------------------------------- CPU
 
 
-@needs_ext
+@pytest.mark.ext
 def test_schemas_registered():
     schema = str(torch.ops.decodex.decode_attention.default._schema)
     assert "Tensor(a!) workspace" in schema and "Tensor(b!) out" in schema and "float scale" in schema
     assert "-> int" in str(torch.ops.decodex.decode_attention_splits.default._schema)
 
 
-@needs_ext
+@pytest.mark.ext
 def test_splits_heuristic_is_sane():
     f = torch.ops.decodex.decode_attention_splits
     sms = 132
@@ -328,7 +324,7 @@ def test_splits_heuristic_is_sane():
         f(1, 2, 100, 0)
 
 
-@needs_ext
+@pytest.mark.ext
 def test_fake_impl_traces():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -341,7 +337,7 @@ def test_fake_impl_traces():
         assert torch.ops.decodex.decode_attention(q, k, k, lens, 0.1, ws, out) is None
 
 
-@needs_ext
+@pytest.mark.ext
 def test_cpu_tensors_are_rejected():
     q = torch.randn(1, 4, 64).to(torch.bfloat16)
     k = torch.randn(1, 1, 8, 64).to(torch.bfloat16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodex import _ext, reference
+from decodex import reference
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # e.g. under compute-sanitizer: fewer sizes
 
@@ -34,11 +34,6 @@ if QUICK:
 RTOL = 2.0**-8
 ACC_FACTOR = 8.0
 EPS32 = torch.finfo(torch.float32).eps
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _inputs(M, N, K, bias=True, device="cuda"):
@@ -287,15 +282,15 @@ def test_gemv_rejects_layouts():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_gemv_schema():
-    _skip_without_ext()
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == "decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", schema
 
 
+@pytest.mark.ext
 def test_gemv_fake_tensor_mode():
     """Traceable without a GPU: fake CUDA tensors go through the registered fake impl."""
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -307,9 +302,9 @@ def test_gemv_fake_tensor_mode():
         assert torch.ops.decodex.gemv(x, w, None, out) is None
 
 
+@pytest.mark.ext
 def test_gemv_meta_opcheck():
     """opcheck (schema, fake impl, autograd registration) on meta tensors: runs on a CPU machine."""
-    _skip_without_ext()
     x = torch.empty(3, 136, device="meta", dtype=torch.bfloat16)
     w = torch.empty(769, 136, device="meta", dtype=torch.bfloat16)
     b = torch.empty(769, device="meta", dtype=torch.bfloat16)
@@ -318,9 +313,9 @@ def test_gemv_meta_opcheck():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_gemv_cpu_tensors_refused():
     """No CPU kernel: CPU tensors stop at the dispatcher (the K check lives in the CUDA launcher)."""
-    _skip_without_ext()
     x = torch.randn(2, 12).to(torch.bfloat16)  # K = 12 would also fail the launcher's check
     w = torch.randn(4, 12).to(torch.bfloat16)
     out = torch.empty(2, 4, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodex import _ext, reference
+from decodex import reference
 
 MS = [1, 3, 64, 3000]
 KS = [8, 896, 1536, 3584, 8192]
@@ -26,11 +26,6 @@ EPS = 1e-6
 # On top, the 2x criterion: the worst error is at most twice PyTorch's own bf16 result's error.
 RTOL = 2.0**-8 + 1e-5
 ATOL = 1e-6
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _x(M, K, device="cuda"):
@@ -245,8 +240,8 @@ def test_norms_empty_batch():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_norms_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.rms_norm.default._schema)
     assert s == "decodex::rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", s
     s = str(torch.ops.decodex.fused_add_rms_norm.default._schema)
@@ -254,8 +249,8 @@ def test_norms_schema():
                  "Tensor(b!) out) -> ()"), s
 
 
+@pytest.mark.ext
 def test_norms_fake_tensor_mode():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -265,8 +260,8 @@ def test_norms_fake_tensor_mode():
         assert torch.ops.decodex.fused_add_rms_norm(x, torch.empty_like(x), w, EPS, torch.empty_like(x)) is None
 
 
+@pytest.mark.ext
 def test_norms_meta_opcheck():
-    _skip_without_ext()
     x = torch.empty(3, 896, device="meta", dtype=torch.bfloat16)
     w = torch.empty(896, device="meta", dtype=torch.bfloat16)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -275,8 +270,8 @@ def test_norms_meta_opcheck():
                           (x, torch.empty_like(x), w, EPS, torch.empty_like(x)), test_utils=utils)
 
 
+@pytest.mark.ext
 def test_norms_cpu_tensors_refused():
-    _skip_without_ext()
     x, w = _x(2, 64, device="cpu"), _w(64, device="cpu")
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.rms_norm(x, w, EPS, torch.empty_like(x))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodex import _ext, reference
+from decodex import reference
 
 # (H, Hkv, D): Qwen2.5-1.5B, Qwen2.5-7B, Llama-3-8B, SmolLM2-135M-like, an odd small one.
 HEADS = [(12, 2, 128), (28, 4, 128), (32, 8, 128), (9, 3, 64), (3, 1, 16)]
@@ -26,11 +26,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 # range-reduced functions (CUDA's precise sincosf: 2 ulp; torch CPU: 1 ulp), so the rotated value
 # differs by ~1e-7 * (|x1| + |x2|) before rounding; 1e-5 * max|x| of the row covers that 100x.
 RTOL = 2.0**-8
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _bf16(*shape, device="cuda"):
@@ -299,15 +294,15 @@ def test_rope_append_rejects():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_rope_append_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.rope_append.default._schema)
     assert s == ("decodex::rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, "
                  "Tensor(c!) k_cache, Tensor(d!) v_cache) -> ()"), s
 
 
+@pytest.mark.ext
 def test_rope_append_fake_tensor_mode():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -320,8 +315,8 @@ def test_rope_append_fake_tensor_mode():
         assert out is None
 
 
+@pytest.mark.ext
 def test_rope_append_meta_opcheck():
-    _skip_without_ext()
     B, H, Hkv, D, S = 2, 4, 2, 64, 16
     bf = dict(device="meta", dtype=torch.bfloat16)
     args = (torch.empty(B, H, D, **bf), torch.empty(B, Hkv, D, **bf), torch.empty(B, Hkv, D, **bf),
@@ -331,8 +326,8 @@ def test_rope_append_meta_opcheck():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_rope_append_cpu_tensors_refused():
-    _skip_without_ext()
     B, H, Hkv, D, S = 2, 4, 2, 64, 16
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.rope_append(_bf16(B, H, D, device="cpu"), _bf16(B, Hkv, D, device="cpu"),

@@ -25,7 +25,7 @@ import random
 import pytest
 import torch
 
-from decodex import _ext, reference
+from decodex import reference
 
 VS = [10, 1000, 32003, 151936]
 DTYPES = [torch.bfloat16, torch.float32]
@@ -36,11 +36,6 @@ SCALES = [0.5, 2.0, 6.0]  # logit spread: nearly flat .. sharply peaked
 
 BAND = 1e-5  # relative rounding band around cumulative boundaries (fp32 eps is 1.2e-7: ~100 ulps)
 P_BAND = 1e-6  # relative band around the nucleus threshold probability (expf vs exp: ~2 ulps)
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _reference(row, t, k, pp, seed, pos):
@@ -344,8 +339,8 @@ def test_sample_rejects():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_sample_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.sample.default._schema)
     assert s == ("decodex::sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
                  "Tensor positions, Tensor(a!) out) -> ()"), s
@@ -359,8 +354,8 @@ def _meta_args(device):
             torch.empty(B, device=device, dtype=torch.int64))
 
 
+@pytest.mark.ext
 def test_sample_fake_and_meta():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -369,8 +364,8 @@ def test_sample_fake_and_meta():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_sample_cpu_tensors_refused():
-    _skip_without_ext()
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.sample(*_meta_args("cpu"))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodex import _ext, reference
+from decodex import reference
 
 MS = [1, 3, 64, 3000]
 IS = [8, 136, 1000, 8960, 18944]
@@ -20,11 +20,6 @@ IS = [8, 136, 1000, 8960, 18944]
 # ATOL 1e-6 for values that round to ~0. On top, at most 2x PyTorch's own bf16 error.
 RTOL = 2.0**-8 + 1e-5
 ATOL = 1e-6
-
-
-def _skip_without_ext():
-    if not _ext.available():
-        pytest.skip(f"needs the built kernels: {_ext.why_unavailable()}")
 
 
 def _gu(M, I, scale=2.0, device="cuda"):
@@ -139,14 +134,14 @@ def test_silu_mul_rejects():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.ext
 def test_silu_mul_schema():
-    _skip_without_ext()
     s = str(torch.ops.decodex.silu_mul.default._schema)
     assert s == "decodex::silu_mul(Tensor gate_up, Tensor(a!) out) -> ()", s
 
 
+@pytest.mark.ext
 def test_silu_mul_fake_tensor_mode():
-    _skip_without_ext()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -154,16 +149,16 @@ def test_silu_mul_fake_tensor_mode():
         assert torch.ops.decodex.silu_mul(gu, torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)) is None
 
 
+@pytest.mark.ext
 def test_silu_mul_meta_opcheck():
-    _skip_without_ext()
     gu = torch.empty(3, 272, device="meta", dtype=torch.bfloat16)
     out = torch.empty(3, 136, device="meta", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.decodex.silu_mul.default, (gu, out),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+@pytest.mark.ext
 def test_silu_mul_cpu_tensors_refused():
-    _skip_without_ext()
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.silu_mul(_gu(2, 8, device="cpu"), torch.empty(2, 8, dtype=torch.bfloat16))
 
