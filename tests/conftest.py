@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=ext_reason))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module: batch-1 decode of a small model on the CPU is op-latency
+    bound, so one thread is as fast on an idle 2-core runner and several times faster on a busy one
+    (no oversubscription). Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

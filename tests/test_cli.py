@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from _smollm import require_gguf, smollm_dir
 from decodex import cli
@@ -19,17 +18,9 @@ STATS_LINE = re.compile(r"^\[(\d+) tokens, (\d+\.\d) tok/s, time to first token 
 
 def _run(*args, timeout=600):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")  # one thread: see test_generate._one_thread
+               OMP_NUM_THREADS="1")  # one thread: see conftest.one_thread
     return subprocess.run([sys.executable, "-m", "decodex", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_generate_subprocess():

@@ -3,7 +3,7 @@ functionalization of the out-params) on CPU tensors, where only the fake impls c
 import pytest
 import torch
 
-import decodex
+import decodex  # noqa: F401  (loads the kernels: registers torch.ops.decodex)
 
 
 class _Block(torch.nn.Module):

@@ -23,14 +23,7 @@ GREEDY_CHATS = [
 GREEDY_TOKENS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Batch-1 decode of a 135M model is op-latency bound: one thread is as fast on an idle 2-core
-    # runner and several times faster on a busy one (no oversubscription).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
