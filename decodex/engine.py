@@ -269,9 +269,7 @@ class HostLoop:
                     continue
                 # 2. The pipeline is full: wait for the oldest entry.
                 if len(inflight) >= self.depth:
-                    e = inflight.popleft()
-                    self._dev_wait(e.handle)
-                    out = self._harvest(e, t0)
+                    out = self._wait_oldest(inflight, t0)
                     if out:
                         yield out
                     continue
@@ -318,9 +316,7 @@ class HostLoop:
                     continue
                 # 5. Nothing to queue: wait for what is in flight, or finish.
                 if inflight:
-                    e = inflight.popleft()
-                    self._dev_wait(e.handle)
-                    out = self._harvest(e, t0)
+                    out = self._wait_oldest(inflight, t0)
                     if out:
                         yield out
                     continue
@@ -345,6 +341,12 @@ class HostLoop:
                     pass
             self._rows = [None] * self.max_batch
             self._running = False
+
+    def _wait_oldest(self, inflight: deque, t0: float) -> list[tuple[int, int]]:
+        """Blocks until the oldest queued entry has reached the host; returns its tokens."""
+        e = inflight.popleft()
+        self._dev_wait(e.handle)
+        return self._harvest(e, t0)
 
     def _free_row(self) -> int | None:
         for r, s in enumerate(self._rows):
