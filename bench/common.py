@@ -63,6 +63,15 @@ def compare_row(label: str, nbytes: int, bw_gbs: float, make_inputs, ours, base,
     return [label, t_ours, t_base, gbs, 100 * gbs / bw_gbs, t_base / t_ours]
 
 
+def fused_row(label: str, nbytes: int, bw_gbs: float, sets: list, fused, unfused, base) -> list:
+    """One row of a fused-op table: [label, MB, fused us, unfused us, baseline us, GB/s, % of bw,
+    unfused / fused, baseline / fused], each callable timed over every input set in `sets` (a stack
+    made L2-cold by the caller, e.g. with copies_for) by time_graph."""
+    t = [time_graph([lambda s=s: fn(s) for s in sets]) for fn in (fused, unfused, base)]
+    gbs = nbytes / t[0] / 1e3
+    return [label, nbytes / 1e6, t[0], t[1], t[2], gbs, 100 * gbs / bw_gbs, t[1] / t[0], t[2] / t[0]]
+
+
 def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device bandwidth ceiling in GB/s, measured now: the better of a large device-to-device copy
     (bytes read + written) and a large read-only reduction. Both are L2-cold at this size."""

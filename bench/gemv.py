@@ -102,7 +102,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
     bw = read_bandwidth_gbs()
     for model, name, N, K in SHAPES:
         label = f"{model} {name} {N}x{K}"
-        if only and only not in label:
+        if only and not any(o in label for o in only.split(",")):
             continue
         if name in ("v", "o"):  # same shapes as k and q
             continue
@@ -127,7 +127,8 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
-    p.add_argument("--only", help="sweep only shapes whose label contains this, e.g. '7B' or 'down'")
+    p.add_argument("--only", help="sweep only shapes whose label contains one of these (comma-separated), "
+                                  "e.g. '7B' or '1.5B down,7B gate'")
     args = p.parse_args(argv)
     if args.sweep:
         sweep(args.only)

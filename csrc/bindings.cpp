@@ -16,6 +16,9 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(decodex, m) {
   // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, M <= 8, K % 8 == 0.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
+  // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
+  m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.
@@ -23,6 +26,10 @@ TORCH_LIBRARY(decodex, m) {
   // q[B,H,D] and k[B,Hkv,D] rotated in place (half-split RoPE at positions[B], int32);
   // k and v then written to k_cache/v_cache[B,Hkv,S,D] at that position. positions[b] < 0: row skipped.
   m.def("rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, Tensor(c!) k_cache, Tensor(d!) v_cache) -> ()");
+  // out[M,(H+2Hkv)*D] = x @ weight^T (+ bias) for the merged q|k|v weight, then rope_append on out's
+  // q|k|v rows (q, k rotated, k and v written to the caches [M,Hkv,S,D] at positions[M]): one kernel,
+  // equal to gemv + rope_append bit for bit; M <= 8.
+  m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
   // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.
@@ -43,9 +50,11 @@ TORCH_LIBRARY(decodex, m) {
 
 TORCH_LIBRARY_IMPL(decodex, CUDA, m) {
   m.impl("gemv", &decodex::gemv);
+  m.impl("gemv_silu_mul", &decodex::gemv_silu_mul);
   m.impl("rms_norm", &decodex::rms_norm);
   m.impl("fused_add_rms_norm", &decodex::fused_add_rms_norm);
   m.impl("rope_append", &decodex::rope_append);
+  m.impl("gemv_rope_append", &decodex::gemv_rope_append);
   m.impl("silu_mul", &decodex::silu_mul);
   m.impl("decode_attention", &decodex::decode_attention);
   m.impl("argmax", &decodex::argmax);

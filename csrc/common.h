@@ -107,14 +107,27 @@ inline int sm_count(int device) {
 // it in the stream has finished and its writes are visible, then griddepcontrol.launch_dependents
 // lets the next kernel's blocks be scheduled. Launched through launch_pdl, a kernel's launch and
 // block scheduling thus overlap the tail of the kernel before it (in a CUDA graph too), which is most
-// of the cost of the many small kernels of a decode step. No global memory is touched before the
-// wait, so the order of reads and writes is exactly that of plain launches. Without the launch
+// of the cost of the many small kernels of a decode step. Nothing but L2 prefetches touches global
+// memory before the wait, so the order of reads and writes is exactly that of plain launches. Without the launch
 // attribute both instructions do nothing. DECODEX_PDL=0 turns the attribute off (read once).
-__device__ __forceinline__ void pdl_begin() {
+// A kernel that can do useful work before the wait (GEMV: L2 prefetches of its weights, which are
+// safe at any time because L2 is the GPU's point of coherence) calls pdl_wait() and pdl_trigger()
+// itself, in that order, after that work.
+__device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_trigger();
 }
 
 inline bool pdl_enabled() {
@@ -149,6 +162,25 @@ inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, 
 // ---- device utilities ----
 
 // 8 bf16 values moved as one 16-byte vector.
+// SwiGLU of one element, each step rounded as torch's silu(g) * u in fp32 is: silu_mul and the
+// gemv_silu_mul epilogue both use it, so the fused op equals gemv then silu_mul bit for bit.
+__device__ __forceinline__ float silu_times(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
+// RoPE (half-split "rotate_half" layout) of the pair (x1, x2) = (x[i], x[i + D/2]) at `pos`:
+// angle = pos * inv_freq[i] in fp32, precise sincosf, separately rounded products and sums; the
+// same fp32 bits as decodex.reference.rope. rope_append and the gemv_rope_append epilogue use it.
+__device__ __forceinline__ void rope_cos_sin(int pos, float inv_freq_i, float& c, float& s) {
+  sincosf(__fmul_rn(static_cast<float>(pos), inv_freq_i), &s, &c);
+}
+
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, float& o1,
+                                            float& o2) {
+  o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 struct alignas(16) bf16x8 {
   __nv_bfloat162 h[4];
 };

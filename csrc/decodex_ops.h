@@ -26,6 +26,11 @@ inline void gemv(const T& x, const T& weight, const std::optional<T>& bias, T& o
   h.call(x, weight, bias, out);
 }
 
+inline void gemv_silu_mul(const T& x, const T& weight, T& out) {
+  static auto h = detail::op<void(const T&, const T&, T&)>("decodex::gemv_silu_mul");
+  h.call(x, weight, out);
+}
+
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
   static auto h = detail::op<void(const T&, const T&, double, T&)>("decodex::rms_norm");
   h.call(x, weight, eps, out);
@@ -40,6 +45,13 @@ inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& posi
                         T& v_cache) {
   static auto h = detail::op<void(T&, T&, const T&, const T&, const T&, T&, T&)>("decodex::rope_append");
   h.call(q, k, v, inv_freq, positions, k_cache, v_cache);
+}
+
+inline void gemv_rope_append(const T& x, const T& weight, const std::optional<T>& bias,
+                             const T& inv_freq, const T& positions, T& out, T& k_cache, T& v_cache) {
+  static auto h = detail::op<void(const T&, const T&, const std::optional<T>&, const T&, const T&,
+                                  T&, T&, T&)>("decodex::gemv_rope_append");
+  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache);
 }
 
 inline void silu_mul(const T& gate_up, T& out) {

@@ -44,6 +44,7 @@
 
 #include "common.h"
 #include "ptx.cuh"
+#include "gemv.h"
 #include "ops.h"
 
 namespace decodex {
@@ -54,20 +55,35 @@ constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
 
-// Grid: ceil(ceil(N/16) / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
-// Warp w of block b: tile (b / c) * wr + w / wk (16 weight rows), k-range (b % c) * wk + w % wk
-// of the P = wk * c ranges that split ceil(K/32) k-steps as evenly as integers allow.
+// Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
+// Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
+// ranges that split ceil(K/32) k-steps as evenly as integers allow.
+// A tile is 16 weight rows, whose results lane (g, t) holds for rows g and g + 8. Which rows, per
+// epilogue (the row pairing puts what the epilogue combines into one lane):
+//  * kStore: rows 16j .. 16j+15 (ceil(N/16) tiles).
+//  * kSiluMul (N = I outputs, weight [2I, K] = [gate; up]): gate rows 8j .. 8j+7 and the matching
+//    up rows I + 8j .. (ceil(I/8) tiles); out = silu(gate) * up.
+//  * kRopeAppend (weight = [q heads | k heads | v heads] x D rows): tile j of a q or k head pairs
+//    rows 8j .. 8j+7 of the head with rows D/2 + 8j .. (the RoPE pairs, D/16 tiles per head); v
+//    rows are plain 16-row tiles. Same tile count as kStore.
+// Before griddepcontrol.wait each warp of the first wave of blocks (blockIdx < prefetch_blocks, the
+// blocks resident at once) asks L2 for its first round of weight rows (lanes 0-15, one row each):
+// the weights do not depend on the kernel before, so their first DRAM round trip overlaps that
+// kernel's tail instead of following it. Later blocks start long after the wait has passed; a
+// prefetch there only duplicates their loads (measured: the 1.5B lm_head lost 25% with it).
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
-template <int M, int U>
+template <int M, int U, int kEpi>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
-            const __nv_bfloat16* __restrict__ weight,  // [N, ldw], rows 16 B aligned
-            const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr
+            const __nv_bfloat16* __restrict__ weight,  // [N, ldw] ([2N, ldw] for kSiluMul)
+            const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr (nullptr for kSiluMul)
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
-            int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c) {
-  pdl_begin();
+            int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
+            int prefetch_blocks, const RopeAppendArgs rope) {
+  constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
+  constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   __shared__ float red[kMaxWarps][4][32];  // per-warp partial sums, [warp][accumulator][lane]
 
@@ -77,16 +93,36 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   const int tile = (blockIdx.x / c) * wr + warp / wk;
   const int parts = wk * c, part = rank * wk + warp % wk;
   const int ksteps = (K + kStepK - 1) / kStepK;
-  const bool tile_ok = tile * kTileRows < N;  // the last block's spare warps only join the sums
+  // kRopeAppend: tiles below rope_tiles are RoPE pairs of a q/k head (head, 8-pair slice hj).
+  const int tiles_per_head = kRope ? rope.D / 16 : 1;
+  const bool rope_tile = kRope && tile < (rope.H + rope.Hkv) * tiles_per_head;
+  const int head = tile / tiles_per_head, hj = tile - head * tiles_per_head;
+  // Weight row of tile-local row i (0..15), and whether it exists.
+  auto tile_row = [&](int i) {
+    if (kSilu) return tile * 8 + (i & 7) + (i >= 8 ? N : 0);
+    if (rope_tile) return head * rope.D + 8 * hj + (i & 7) + (i >= 8 ? rope.D / 2 : 0);
+    return tile * kTileRows + i;
+  };
+  auto row_ok = [&](int i) { return (kSilu ? tile * 8 + (i & 7) : tile_row(i)) < N; };
+  const bool tile_ok = row_ok(0);  // the last block's spare warps only join the sums
   const int s_begin = static_cast<int>(static_cast<int64_t>(part) * ksteps / parts);
   const int s_end =
       tile_ok ? static_cast<int>(static_cast<int64_t>(part + 1) * ksteps / parts) : s_begin;
 
-  const int row0 = tile * kTileRows + g, row1 = row0 + 8;
-  const bool ok0 = row0 < N, ok1 = row1 < N, xok = g < M;
+  if (static_cast<int>(blockIdx.x) < prefetch_blocks && lane < kTileRows && s_begin < s_end &&
+      row_ok(lane)) {
+    const int k0 = s_begin * kStepK, k1 = min(min(s_begin + U, s_end) * kStepK, K);
+    prefetch_l2_bulk(weight + static_cast<int64_t>(tile_row(lane)) * ldw + k0,
+                     static_cast<uint32_t>(k1 - k0) * 2u);
+  }
+  pdl_begin();
+
+  const int row0 = tile_row(g), row1 = tile_row(g + 8);
+  const bool ok0 = row_ok(g), ok1 = row_ok(g + 8), xok = g < M;
+  const int rows = kSilu ? 2 * N : N;
   // Clamped so no out-of-range pointer is formed; the loads are predicated off anyway.
-  const __nv_bfloat16* w0 = weight + static_cast<int64_t>(min(row0, N - 1)) * ldw;
-  const __nv_bfloat16* w1 = weight + static_cast<int64_t>(min(row1, N - 1)) * ldw;
+  const __nv_bfloat16* w0 = weight + static_cast<int64_t>(min(row0, rows - 1)) * ldw;
+  const __nv_bfloat16* w1 = weight + static_cast<int64_t>(min(row1, rows - 1)) * ldw;
   const __nv_bfloat16* xg = x + static_cast<int64_t>(min(g, M - 1)) * ldx;
 
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
@@ -157,17 +193,66 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   }
   if (!lead || !tile_ok) return;
 
+  // Results are rounded to bf16 (after the bias) as gemv stores them before any epilogue math, so
+  // each fused op equals gemv followed by its unfused op bit for bit.
+  auto stored = [&](int i, int row) {
+    float v = r[i];
+    if (bias != nullptr) v += __bfloat162float(bias[row]);
+    return __bfloat162float(__float2bfloat16_rn(v));
+  };
+  if constexpr (kSilu) {
+    // r[i] gate, r[i + 2] up of output row n = 2t + i, feature row0.
+    if (ok0) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + (i >= 2 ? 8 : 0);
-    const int n = 2 * t + (i & 1);
-    if (n < M && row < N) {
-      float v = r[i];
-      if (bias != nullptr) v += __bfloat162float(bias[row]);
-      out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
+      for (int i = 0; i < 2; ++i) {
+        const int n = 2 * t + i;
+        if (n < M) {
+          out[static_cast<int64_t>(n) * ldo + row0] =
+              __float2bfloat16_rn(silu_times(stored(i, row0), stored(i + 2, row1)));
+        }
+      }
+    }
+  } else if constexpr (kRope) {
+    // r[i] / r[i + 2]: rows row0 / row1 of output row n = 2t + i: a RoPE pair (x1, x2) of a q or
+    // k head, or two v features. Rotated and appended only where 0 <= position < S (rope_append's
+    // rule: any other row is left as the plain product).
+    const int D = rope.D;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = 2 * t + i;
+      if (n >= M) continue;
+      float v0 = stored(i, row0), v1 = stored(i + 2, row1);
+      const int pos = rope.positions[n];
+      const bool live = pos >= 0 && pos < rope.S;
+      if (rope_tile && live) {
+        float cs, sn;
+        rope_cos_sin(pos, rope.inv_freq[8 * hj + g], cs, sn);
+        rope_rotate(v0, v1, cs, sn, v0, v1);
+      }
+      const __nv_bfloat16 b0 = __float2bfloat16_rn(v0), b1 = __float2bfloat16_rn(v1);
+      out[static_cast<int64_t>(n) * ldo + row0] = b0;
+      out[static_cast<int64_t>(n) * ldo + row1] = b1;
+      if (live && row0 >= rope.H * D) {  // a k or v row: append at the position
+        const bool is_k = row0 < (rope.H + rope.Hkv) * D;
+        const int f0 = row0 - (is_k ? rope.H : rope.H + rope.Hkv) * D;  // feature in the k/v rows
+        const int f1 = f0 + (row1 - row0);
+        __nv_bfloat16* cache = is_k ? rope.k_cache + n * rope.kc_b : rope.v_cache + n * rope.vc_b;
+        const int64_t hs = is_k ? rope.kc_h : rope.vc_h;
+        const int64_t at = static_cast<int64_t>(pos) * D;
+        cache[(f0 / D) * hs + at + f0 % D] = b0;
+        cache[(f1 / D) * hs + at + f1 % D] = b1;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i >= 2 ? row1 : row0;
+      const int n = 2 * t + (i & 1);
+      if (n < M && row < N) out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(stored(i, row));
     }
   }
 #else
+  pdl_begin();
   __trap();  // bf16 mma needs sm_80; the host refuses older devices
 #endif
 }
@@ -179,23 +264,34 @@ struct GemvConfig {
 };
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-                            __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int);
+                            __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
+                            int, const RopeAppendArgs);
 
-template <int M>
+template <int M, int kEpi>
 GemvKernel kernel_for_m(int u) {
-  return u == 8 ? gemv_kernel<M, 8> : gemv_kernel<M, 4>;
+  return u == 8 ? gemv_kernel<M, 8, kEpi> : gemv_kernel<M, 4, kEpi>;
 }
 
+template <int kEpi>
 GemvKernel kernel_for(int m, int u) {
   switch (m) {
-    case 1: return kernel_for_m<1>(u);
-    case 2: return kernel_for_m<2>(u);
-    case 3: return kernel_for_m<3>(u);
-    case 4: return kernel_for_m<4>(u);
-    case 5: return kernel_for_m<5>(u);
-    case 6: return kernel_for_m<6>(u);
-    case 7: return kernel_for_m<7>(u);
-    default: return kernel_for_m<8>(u);
+    case 1: return kernel_for_m<1, kEpi>(u);
+    case 2: return kernel_for_m<2, kEpi>(u);
+    case 3: return kernel_for_m<3, kEpi>(u);
+    case 4: return kernel_for_m<4, kEpi>(u);
+    case 5: return kernel_for_m<5, kEpi>(u);
+    case 6: return kernel_for_m<6, kEpi>(u);
+    case 7: return kernel_for_m<7, kEpi>(u);
+    default: return kernel_for_m<8, kEpi>(u);
+  }
+}
+
+GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
+  switch (epi) {
+    case GemvEpilogue::kSiluMul: return kernel_for<static_cast<int>(GemvEpilogue::kSiluMul)>(m, u);
+    case GemvEpilogue::kRopeAppend:
+      return kernel_for<static_cast<int>(GemvEpilogue::kRopeAppend)>(m, u);
+    default: return kernel_for<static_cast<int>(GemvEpilogue::kStore)>(m, u);
   }
 }
 
@@ -209,7 +305,8 @@ int blocks_per_sm(int m, int u, int warps) {
   int n = slot.load(std::memory_order_relaxed);
   if (n == 0) {
     cudaError_t err =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u), warps * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u, GemvEpilogue::kStore),
+                                                        warps * 32, 0);
     DX_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
                 cudaGetErrorString(err));
     n = std::max(n, 0) + 1;  // stored +1 so that 0 keeps meaning "not asked"
@@ -248,20 +345,28 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
   return full * wave_us(resident) + (rest ? wave_us(rest) : 0.0) + (cf.c > 1 ? kClusterUs : 0.0);
 }
 
-// Configurations measured fastest on the H200 for Qwen2.5-1.5B's shapes (bench/gemv.py --sweep,
-// 2026-11-29; M <= 4 takes the M = 1 entry, M > 4 the M = 8 one). Single-block (c = 1) entries are
-// preferred where they are within a few percent: those launch with PDL. Other shapes use the model.
+// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes (bench/gemv.py
+// --sweep, 2026-11-29; M <= 4 takes the M = 1 entry, M > 4 the M = 8 one). Other shapes use the
+// cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8;
 };
 constexpr TunedShape kTuned[] = {
+    // Qwen2.5-1.5B
     {1536, 1536, {1, 6, 1, 8}, {1, 7, 1, 8}},     // q, o
     {256, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}},      // k, v
     {2048, 1536, {1, 6, 1, 8}, {1, 7, 1, 8}},     // merged qkv
-    {17920, 1536, {1, 2, 1, 4}, {1, 1, 1, 8}},    // merged gate|up
-    {1536, 8960, {1, 8, 1, 8}, {1, 7, 2, 4}},     // down
+    {17920, 1536, {1, 2, 1, 4}, {1, 2, 1, 4}},    // merged gate|up
+    {1536, 8960, {1, 7, 1, 8}, {1, 7, 1, 8}},     // down
     {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 4}},   // lm_head
+    // Qwen2.5-7B
+    {3584, 3584, {1, 7, 1, 4}, {1, 7, 1, 4}},     // q, o
+    {512, 3584, {1, 7, 2, 8}, {1, 7, 2, 8}},      // k, v
+    {4608, 3584, {1, 4, 1, 4}, {1, 4, 1, 4}},     // merged qkv
+    {37888, 3584, {1, 1, 1, 4}, {1, 4, 1, 4}},    // merged gate|up
+    {3584, 18944, {8, 1, 8, 4}, {2, 2, 2, 8}},    // down
+    {152064, 3584, {2, 4, 1, 4}, {1, 2, 1, 4}},   // lm_head
 };
 
 GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
@@ -315,10 +420,10 @@ int compute_capability_major(int device) {
 
 }  // namespace
 
-// ---- host: the op ----
+// ---- host: the shared checks and launcher (gemv.h) ----
 
-void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out) {
+void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& out) {
   DX_CHECK_CUDA(x);
   DX_CHECK_CUDA(weight);
   DX_CHECK_CUDA(out);
@@ -331,48 +436,59 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   DX_CHECK_DIM(weight, 2);
   DX_CHECK_DIM(out, 2);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  DX_CHECK(M >= 1 && M <= 8, "decodex::gemv handles M = 1..8 rows of x, got x of shape ",
-              x.sizes(), " (M = ", M, "); use cuBLAS (F.linear) for larger batches");
+  DX_CHECK(M >= 1 && M <= 8, "decodex::", op, " handles M = 1..8 rows of x, got x of shape ",
+           x.sizes(), " (M = ", M, "); use cuBLAS (F.linear) for larger batches");
   DX_CHECK(weight.size(1) == K, "weight must have shape [N, K] with K = x.size(1) = ", K,
-              ", got ", weight.sizes());
-  DX_CHECK(K > 0 && K % 8 == 0,
-              "decodex::gemv needs K (x.size(1)) to be a positive multiple of 8, got K = ", K);
-  DX_CHECK(N < (int64_t{1} << 30) && K < (int64_t{1} << 30),
-              "decodex::gemv: N and K must be below 2^30, got N = ", N, ", K = ", K);
-  DX_CHECK_SHAPE(out, M, N);
+           ", got ", weight.sizes());
+  DX_CHECK(K > 0 && K % 8 == 0, "decodex::", op,
+           " needs K (x.size(1)) to be a positive multiple of 8, got K = ", K);
+  DX_CHECK(N < (int64_t{1} << 30) && K < (int64_t{1} << 30), "decodex::", op,
+           ": N and K must be below 2^30, got N = ", N, ", K = ", K);
   // Rows may be strided (a slice of a wider buffer); the last dim must be dense, and x / weight
   // rows 16-byte aligned for the vector loads. Strides of size-1 dims are never used.
   DX_CHECK(x.stride(1) == 1, "x must have a contiguous last dim, got strides ", x.strides());
   DX_CHECK(M == 1 || (x.stride(0) >= K && x.stride(0) % 8 == 0),
-              "x rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
-              "multiple of 8), got strides ", x.strides(), " for shape ", x.sizes());
+           "x rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
+           "multiple of 8), got strides ", x.strides(), " for shape ", x.sizes());
   DX_CHECK(weight.stride(1) == 1, "weight must have a contiguous last dim, got strides ",
-              weight.strides());
+           weight.strides());
   DX_CHECK(N <= 1 || (weight.stride(0) >= K && weight.stride(0) % 8 == 0),
-              "weight rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
-              "multiple of 8), got strides ", weight.strides(), " for shape ", weight.sizes());
-  DX_CHECK(N <= 1 || out.stride(1) == 1, "out must have a contiguous last dim, got strides ",
-              out.strides());
-  DX_CHECK(M == 1 || out.stride(0) >= N,
-              "out rows must not overlap (stride(0) >= N), got strides ", out.strides(),
-              " for shape ", out.sizes());
+           "weight rows must not overlap and start 16-byte aligned (stride(0) >= K and a ",
+           "multiple of 8), got strides ", weight.strides(), " for shape ", weight.sizes());
   DX_CHECK_ALIGNED16(x);
   DX_CHECK_ALIGNED16(weight);
-  const __nv_bfloat16* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
-    DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
-    DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
-                " and ", b.device());
-    DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
-                b.scalar_type());
-    DX_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
-                b.sizes());
-    DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
-    bias_ptr = reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
-  }
-  if (N == 0) return;
+}
 
+void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out) {
+  DX_CHECK_SHAPE(out, M, n_out);
+  DX_CHECK(n_out <= 1 || out.stride(1) == 1, "out must have a contiguous last dim, got strides ",
+           out.strides());
+  DX_CHECK(M == 1 || out.stride(0) >= n_out,
+           "out rows must not overlap (stride(0) >= ", n_out, "), got strides ", out.strides(),
+           " for shape ", out.sizes());
+}
+
+const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                                     int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
+  DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
+  DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
+           " and ", b.device());
+  DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
+           b.scalar_type());
+  DX_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
+           b.sizes());
+  DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
+  return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
+}
+
+void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                 const __nv_bfloat16* bias_ptr, at::Tensor& out, GemvEpilogue epilogue,
+                 const RopeAppendArgs& rope) {
+  const bool silu = epilogue == GemvEpilogue::kSiluMul;
+  const int64_t M = x.size(0), K = x.size(1), rows = weight.size(0);
+  const int64_t N = silu ? rows / 2 : rows;  // outputs per row of x
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
   const int cc_major = compute_capability_major(device);
@@ -380,51 +496,84 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const bool clusters = cc_major >= 9;
   const int sms = sm_count(device);
 
+  // Every epilogue has as many tiles as gemv on all `rows` (kSiluMul: 8 gate + 8 up rows each), so
+  // all share gemv's configuration for the [rows, K] shape (and its summation order).
   GemvConfig cf{};
   if (!config_override(cf, clusters)) {
     // One choice per shape; a thread_local map needs no lock.
     thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
-    const std::array<int64_t, 4> key{N, K, M, device};
+    const std::array<int64_t, 4> key{rows, K, M, device};
     auto it = chosen.find(key);
     if (it == chosen.end()) {
-      it = chosen.emplace(key, choose_config(N, K, static_cast<int>(M), sms, clusters)).first;
+      it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters)).first;
     }
     cf = it->second;
   }
 
-  const int64_t tiles = ceil_div(N, kTileRows);
+  const int64_t tiles = silu ? ceil_div(N, kTileRows / 2) : ceil_div(N, kTileRows);
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
   launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
   launch.dynamicSmemBytes = 0;
   launch.stream = current_stream();
-  // Clusters of c > 1 blocks for the split-K reduction; otherwise programmatic dependent launch
-  // (see pdl_begin in common.h). The two are not combined: that pairing is untested here.
-  cudaLaunchAttribute attr[1];
+  // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
+  // pdl_begin in common.h).
+  cudaLaunchAttribute attr[2];
+  int n_attr = 0;
   if (cf.c > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cf.c);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-  } else {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(cf.c);
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    ++n_attr;
+  }
+  if (pdl_enabled()) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attr;
   }
   launch.attrs = attr;
-  launch.numAttrs = (cf.c > 1 || pdl_enabled()) ? 1 : 0;
+  launch.numAttrs = n_attr;
 
   const int64_t ldx = M == 1 ? 0 : x.stride(0);
-  const int64_t ldw = N == 1 ? 0 : weight.stride(0);
+  const int64_t ldw = rows == 1 ? 0 : weight.stride(0);
   const int64_t ldo = M == 1 ? 0 : out.stride(0);
   const cudaError_t err = cudaLaunchKernelEx(
-      &launch, kernel_for(static_cast<int>(M), cf.u),
+      &launch, kernel_for(static_cast<int>(M), cf.u, epilogue),
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias_ptr,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ldx, ldw, ldo, static_cast<int>(N),
-      static_cast<int>(K), cf.wr, cf.wk, cf.c);
-  DX_CHECK(err == cudaSuccess, "decodex::gemv kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
-              ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
-  DX_CHECK_LAUNCH("gemv");
+      static_cast<int>(K), cf.wr, cf.wk, cf.c,
+      static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
+                                         std::numeric_limits<int>::max())),
+      rope);
+  DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
+           ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
+  const cudaError_t late = cudaGetLastError();
+  DX_CHECK(late == cudaSuccess, "decodex::", op, " kernel launch failed: ",
+           cudaGetErrorString(late));
+}
+
+// ---- host: the ops ----
+
+void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+          at::Tensor& out) {
+  check_gemv_x_weight("gemv", x, weight, out);
+  const int64_t M = x.size(0), N = weight.size(0);
+  check_gemv_out(out, M, N);
+  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
+  if (N == 0) return;
+  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore);
+}
+
+void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+  check_gemv_x_weight("gemv_silu_mul", x, weight, out);
+  const int64_t M = x.size(0), rows = weight.size(0);
+  DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
+           "weight.size(0) must be even, got ", weight.sizes());
+  check_gemv_out(out, M, rows / 2);
+  if (rows == 0) return;
+  launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul);
 }
 
 }  // namespace decodex

@@ -1,5 +1,5 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, and the tensor-core mma.
+// their cache hints, the L2 bulk prefetch, and the tensor-core mma.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -33,6 +33,15 @@ DX_DEFINE_LOAD16(load16_stream_l2_256, volatile, "ld.global.nc.L1::no_allocate.L
 DX_DEFINE_LOAD16(load16_cached, volatile, "ld.global.nc.v4.u32")
 // KV-cache rows: read-only path, not kept in L1 (each row is read once).
 DX_DEFINE_LOAD16(load16_stream, , "ld.global.nc.L1::no_allocate.v4.u32")
+
+// Asks L2 to fetch [p, p + bytes) from memory (sm_90 bulk prefetch: no registers, nothing to wait
+// for; p 16-byte aligned, bytes a multiple of 16). L2 is the point of coherence, so this is safe
+// even before griddepcontrol.wait: a later load still sees every write.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
 
 // d[16x8] += a[16x16] * b[16x8]: mma.sync m16n8k16, bf16 operands in the PTX fragment layouts,
 // fp32 accumulators.

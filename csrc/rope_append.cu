@@ -20,6 +20,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "gemv.h"
 #include "ops.h"
 
 namespace decodex {
@@ -47,9 +48,8 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
 
   const int half = D / 2;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = __fmul_rn(static_cast<float>(pos), inv_freq[i]);
     float s, c;
-    sincosf(angle, &s, &c);
+    rope_cos_sin(pos, inv_freq[i], c, s);
     cs[i] = c;
     cs[half + i] = s;
   }
@@ -68,9 +68,7 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
       bf16x8_to_float(*reinterpret_cast<const bf16x8*>(x + half + c0), x2);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float c = cs[c0 + j], s = cs[half + c0 + j];
-        o1[j] = __fsub_rn(__fmul_rn(x1[j], c), __fmul_rn(x2[j], s));
-        o2[j] = __fadd_rn(__fmul_rn(x2[j], c), __fmul_rn(x1[j], s));
+        rope_rotate(x1[j], x2[j], cs[c0 + j], cs[half + c0 + j], o1[j], o2[j]);
       }
       const bf16x8 r1 = float_to_bf16x8(o1), r2 = float_to_bf16x8(o2);
       *reinterpret_cast<bf16x8*>(x + c0) = r1;
@@ -127,6 +125,21 @@ void check_cache(const at::Tensor& t, const char* name, int64_t B, int64_t Hkv, 
               " must be 16-byte aligned (its storage offset breaks vector stores)");
 }
 
+// inv_freq [D/2] fp32 and positions [B] int32, contiguous, on ref's device.
+void check_rope_inputs(const at::Tensor& inv_freq, const at::Tensor& positions, int64_t B,
+                       int64_t D, const at::Tensor& ref) {
+  DX_CHECK(inv_freq.is_cuda() && inv_freq.device() == ref.device(), "inv_freq must be on ",
+              ref.device(), ", got ", inv_freq.device());
+  DX_CHECK_DTYPE(inv_freq, at::kFloat);
+  DX_CHECK_SHAPE(inv_freq, D / 2);
+  DX_CHECK_CONTIGUOUS(inv_freq);
+  DX_CHECK(positions.is_cuda() && positions.device() == ref.device(), "positions must be on ",
+              ref.device(), ", got ", positions.device());
+  DX_CHECK_DTYPE(positions, at::kInt);
+  DX_CHECK_SHAPE(positions, B);
+  DX_CHECK_CONTIGUOUS(positions);
+}
+
 }  // namespace
 
 // q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
@@ -148,16 +161,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
   DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
   check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
   check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
-  DX_CHECK(inv_freq.is_cuda() && inv_freq.device() == q.device(), "inv_freq must be on ",
-              q.device(), ", got ", inv_freq.device());
-  DX_CHECK_DTYPE(inv_freq, at::kFloat);
-  DX_CHECK_SHAPE(inv_freq, D / 2);
-  DX_CHECK_CONTIGUOUS(inv_freq);
-  DX_CHECK(positions.is_cuda() && positions.device() == q.device(), "positions must be on ",
-              q.device(), ", got ", positions.device());
-  DX_CHECK_DTYPE(positions, at::kInt);
-  DX_CHECK_SHAPE(positions, B);
-  DX_CHECK_CONTIGUOUS(positions);
+  check_rope_inputs(inv_freq, positions, B, D, q);
   DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
               "rope_append: sizes too large");
   if (B == 0 || S == 0) return;
@@ -177,6 +181,50 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
       static_cast<int>(S), static_cast<int>(D));
   DX_CHECK_LAUNCHED(err, "rope_append");
   DX_CHECK_LAUNCH("rope_append");
+}
+
+}  // namespace decodex
+
+namespace decodex {
+
+// out[M, (H+2Hkv)*D] = x @ weight^T (+ bias) as gemv, then rope_append on its q|k|v rows: one kernel
+// (the GEMV with the kRopeAppend epilogue, csrc/gemv.cu), equal to the two ops bit for bit.
+void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
+                      const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
+                      at::Tensor& v_cache) {
+  check_gemv_x_weight("gemv_rope_append", x, weight, out);
+  DX_CHECK(k_cache.dim() == 4, "gemv_rope_append: k_cache must be 4-D [M, Hkv, S, D], got shape ",
+           k_cache.sizes());
+  const int64_t M = x.size(0), rows = weight.size(0);
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
+  DX_CHECK(D > 0 && D % 16 == 0 && D <= 1024, "gemv_rope_append: head dim D = k_cache.size(3) ",
+           "must be a multiple of 16 in [16, 1024], got ", D);
+  DX_CHECK(Hkv > 0 && rows % D == 0 && rows / D > 2 * Hkv, "gemv_rope_append: weight must have ",
+           "(H + 2 Hkv) * D rows with H >= 1 (Hkv = ", Hkv, ", D = ", D, " from k_cache), got ",
+           rows, " rows");
+  const int64_t H = rows / D - 2 * Hkv;
+  check_gemv_out(out, M, rows);
+  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, rows);
+  check_cache(k_cache, "k_cache", M, Hkv, S, D, x);
+  check_cache(v_cache, "v_cache", M, Hkv, S, D, x);
+  check_rope_inputs(inv_freq, positions, M, D, x);
+  DX_CHECK(S <= 0x7fffffff, "gemv_rope_append: cache capacity too large");
+
+  RopeAppendArgs rope;
+  rope.inv_freq = inv_freq.data_ptr<float>();
+  rope.positions = positions.data_ptr<int>();
+  rope.k_cache = reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr());
+  rope.v_cache = reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr());
+  rope.kc_b = M == 1 ? 0 : k_cache.stride(0);
+  rope.kc_h = k_cache.stride(1);
+  rope.vc_b = M == 1 ? 0 : v_cache.stride(0);
+  rope.vc_h = v_cache.stride(1);
+  rope.H = static_cast<int>(H);
+  rope.Hkv = static_cast<int>(Hkv);
+  rope.S = static_cast<int>(S);
+  rope.D = static_cast<int>(D);
+  launch_gemv("gemv_rope_append", x, weight, bias_ptr, out, GemvEpilogue::kRopeAppend, rope);
 }
 
 }  // namespace decodex

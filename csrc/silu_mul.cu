@@ -28,10 +28,7 @@ silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up,  // [M, 2I], row stri
   bf16x8_to_float(*reinterpret_cast<const bf16x8*>(g), gf);
   bf16x8_to_float(*reinterpret_cast<const bf16x8*>(g + static_cast<int64_t>(nvec) * 8), uf);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float silu = __fdiv_rn(gf[j], __fadd_rn(1.f, expf(-gf[j])));
-    gf[j] = __fmul_rn(silu, uf[j]);
-  }
+  for (int j = 0; j < 8; ++j) gf[j] = silu_times(gf[j], uf[j]);
   *reinterpret_cast<bf16x8*>(out + row * o_stride + static_cast<int64_t>(c) * 8) = float_to_bf16x8(gf);
 }
 

@@ -2,9 +2,10 @@
 
 One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
 
-    embed -> rms_norm -> per layer [qkv gemv (+bias) -> rope_append (writes the cache at the
-    device-side position) -> decode_attention (over the device-side length) -> o gemv ->
-    fused_add_rms_norm -> gate|up gemv -> silu_mul -> down gemv -> fused_add_rms_norm (the next
+    embed -> rms_norm -> per layer [gemv_rope_append (the qkv gemv (+bias) with RoPE and the cache
+    append at the device-side position in its epilogue) -> decode_attention (over the device-side length) -> o gemv ->
+    fused_add_rms_norm -> gemv_silu_mul (gate|up gemv with SiLU*up in its epilogue) -> down gemv ->
+    fused_add_rms_norm (the next
     layer's input norm, or the final norm)] -> lm_head gemv -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
@@ -19,7 +20,9 @@ their (weight-bound, hence almost free) share of the GEMVs.
 
 Matrix products: decodex.gemv takes at most 8 rows. For graphs of more rows each weight shape uses
 whichever of cuBLAS (one torch.mm over all rows) and decodex.gemv over 8-row chunks was faster when
-timed once, at that graph's first capture, over all layers' weights of that shape (L2-cold).
+timed once, at that graph's first capture, over all layers' weights of that shape (L2-cold); for
+qkv and gate|up the comparison is cuBLAS + rope_append / silu_mul against gemv_rope_append /
+gemv_silu_mul over 8-row chunks.
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
@@ -483,38 +486,63 @@ class CudaGraphRunner(HostLoop):
         ws = self._workspace[: n * H * self._splits[n] * (D + 2)].view(n, H, self._splits[n], D + 2)
         return q, k, v, ws
 
+    def _plan(self, n: int, name: str) -> str:
+        """How the product `name` runs in a graph of n rows: "gemv8" (decodex's GEMV kernels over
+        8-row chunks; the only choice up to 8 rows) or "cublas"."""
+        return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
+
     def _linear(self, n: int, name: str, x, w, b, out) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b)."""
-        if n <= GEMV_MAX_ROWS:
-            torch.ops.decodex.gemv(x, w, b, out)
-        elif self.linear_plan.get((n, name), "cublas") == "cublas":
+        if self._plan(n, name) == "cublas":
             _cublas_linear(x, w, b, out)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS])
+
+    def _qkv_rope(self, n: int, x, layer, k_cache, v_cache) -> None:
+        """qkv[n] = x @ qkv_w^T (+ qkv_b) with q and k rotated at the rows' positions, k and v
+        appended to the caches there: gemv_rope_append, or cuBLAS then rope_append."""
+        m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
+        if self._plan(n, "qkv") == "cublas":
+            _cublas_linear(x, layer.qkv_w, layer.qkv_b, qkv)
+            q, k, v, _ = self._views(n)
+            torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)
+        else:
+            for r in range(0, n, GEMV_MAX_ROWS):
+                s = slice(r, r + GEMV_MAX_ROWS)
+                torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
+                                                   qkv[s], k_cache[s], v_cache[s])
+
+    def _gate_up_silu(self, n: int, x, w, act) -> None:
+        """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd]:
+        gemv_silu_mul, or cuBLAS then silu_mul."""
+        if self._plan(n, "gate_up") == "cublas":
+            _cublas_linear(x, w, None, self.gate_up[:n])
+            torch.ops.decodex.silu_mul(self.gate_up[:n], act)
+        else:
+            for r in range(0, n, GEMV_MAX_ROWS):
+                torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS])
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""
         m, ops = self.model, torch.ops.decodex
         tokens, positions, lengths = self.tokens[:n], self.positions[:n], self.lengths[:n]
         residual, hidden, delta = self.residual[:n], self.hidden[:n], self.delta[:n]
-        qkv, attn, gate_up, act = self.qkv[:n], self.attn[:n], self.gate_up[:n], self.act[:n]
+        attn, act = self.attn[:n], self.act[:n]
         logits = self.logits[:n]
-        q, k, v, ws = self._views(n)
+        q, _, _, ws = self._views(n)
         attn3 = attn.view(n, self.H, self.D)
         layers = m.layers
         torch.index_select(m.embed, 0, tokens, out=residual)  # [n, Hd]
         ops.rms_norm(residual, layers[0].input_norm, self.eps, hidden)
         for i, layer in enumerate(layers):
             k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
-            self._linear(n, "qkv", hidden, layer.qkv_w, layer.qkv_b, qkv)
-            ops.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)  # q, k rotated in place
+            self._qkv_rope(n, hidden, layer, k_cache, v_cache)  # q, k rotated; k, v appended
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
             ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3)
             self._linear(n, "o", attn, layer.o_w, getattr(layer, "o_b", None), delta)
             ops.fused_add_rms_norm(delta, residual, layer.post_norm, self.eps, hidden)
-            self._linear(n, "gate_up", hidden, layer.gate_up_w, None, gate_up)
-            ops.silu_mul(gate_up, act)
+            self._gate_up_silu(n, hidden, layer.gate_up_w, act)
             self._linear(n, "down", act, layer.down_w, None, delta)
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
             ops.fused_add_rms_norm(delta, residual, next_norm, self.eps, hidden)
@@ -561,9 +589,9 @@ class CudaGraphRunner(HostLoop):
         cs = self._capture_stream
         cs.wait_stream(self.stream)  # the state the warm-up saves and restores is current
         with torch.cuda.device(self.device), torch.cuda.stream(cs), torch.no_grad():
-            if n > GEMV_MAX_ROWS:
-                self._plan_linears(n)
             with self._quiet_rows():  # lazy init (cuBLAS handles, workspaces) outside the graph
+                if n > GEMV_MAX_ROWS:
+                    self._plan_linears(n)
                 for _ in range(2):
                     self._step(n, greedy)
         graph = torch.cuda.CUDAGraph()
@@ -581,29 +609,26 @@ class CudaGraphRunner(HostLoop):
         return n
 
     def _plan_linears(self, n: int) -> None:
-        """For a graph of n > 8 rows: per weight shape, time cuBLAS over all n rows against
-        decodex.gemv over 8-row chunks (all layers' weights of that shape, so L2-cold) and keep the
-        faster. Runs once per graph size on the current (capture) stream, before capture."""
-        m = self.model
-        L = m.layers
-        jobs = {  # name -> (x, [(w, b)], out)
-            "qkv": (self.hidden[:n], [(l.qkv_w, l.qkv_b) for l in L], self.qkv[:n]),
-            "o": (self.attn[:n], [(l.o_w, getattr(l, "o_b", None)) for l in L], self.delta[:n]),
-            "gate_up": (self.hidden[:n], [(l.gate_up_w, None) for l in L], self.gate_up[:n]),
-            "down": (self.act[:n], [(l.down_w, None) for l in L], self.delta[:n]),
-            "lm_head": (self.hidden[:n], [(m.lm_head, None)], self.logits[:n]),
+        """For a graph of n > 8 rows: per product, time cuBLAS over all n rows against decodex's
+        GEMV kernels over 8-row chunks (all layers' weights of that shape, so L2-cold; each with its
+        fused epilogue or its separate rope_append / silu_mul) and keep the faster. Runs once per
+        graph size on the current (capture) stream, before capture, with every row dead (nothing
+        is appended to the cache)."""
+        m, L = self.model, self.model.layers
+        hidden, attn, act, delta = self.hidden[:n], self.attn[:n], self.act[:n], self.delta[:n]
+        runs = {  # name -> (calls per step, one step's worth of that product)
+            "qkv": (len(L), lambda: [self._qkv_rope(n, hidden, l, self.cache.k[i][:n], self.cache.v[i][:n])
+                                     for i, l in enumerate(L)]),
+            "o": (len(L), lambda: [self._linear(n, "o", attn, l.o_w, getattr(l, "o_b", None), delta) for l in L]),
+            "gate_up": (len(L), lambda: [self._gate_up_silu(n, hidden, l.gate_up_w, act) for l in L]),
+            "down": (len(L), lambda: [self._linear(n, "down", act, l.down_w, None, delta) for l in L]),
+            "lm_head": (1, lambda: self._linear(n, "lm_head", hidden, m.lm_head, None, self.logits[:n])),
         }
-        for name, (x, weights, out) in jobs.items():
-            def cublas():
-                for w, b in weights:
-                    _cublas_linear(x, w, b, out)
-
-            def chunked():
-                for w, b in weights:
-                    for r in range(0, n, GEMV_MAX_ROWS):
-                        torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS])
-
-            times = {"cublas": _time_us(cublas) / len(weights), "gemv8": _time_us(chunked) / len(weights)}
+        for name, (calls, run) in runs.items():
+            times = {}
+            for plan in ("cublas", "gemv8"):
+                self.linear_plan[(n, name)] = plan
+                times[plan] = _time_us(run) / calls
             self.linear_times_us[(n, name)] = times
             self.linear_plan[(n, name)] = min(times, key=times.get)
 

@@ -5,7 +5,8 @@ Two paths run the same loop on the same tensors:
 - reference (CPU, or any device without the kernels): decodex.reference ops, fp32 math; the
   source of truth that the tests compare with transformers.
 - kernels (CUDA, eager, outside graphs; `model.use_kernels`): torch.ops.decodex.* where a kernel
-  exists (gemv for <= 8 rows, fused_add_rms_norm, rope_append, decode_attention, silu_mul), cuBLAS
+  exists (gemv / gemv_silu_mul for <= 8 rows, fused_add_rms_norm, rope_append, decode_attention,
+  silu_mul), cuBLAS
   and SDPA for prefill GEMMs and attention. The CUDA-graph decode path lives in engine.py.
 
 Shapes: T prompt tokens, B batch, M rows (T or B), Hd hidden, H query heads, Hkv KV heads,
@@ -68,6 +69,10 @@ class _ReferenceOps:
     def silu_mul(gate_up):  # [M, 2I] -> [M, I]
         return reference.silu_mul(gate_up)
 
+    @classmethod
+    def gate_up_silu(cls, x, w):  # x [M, K], w [2I, K] = [gate; up] -> silu(x gate^T) * x up^T
+        return cls.silu_mul(cls.linear(x, w))
+
 
 class _ReferenceRowOps(_ReferenceOps):
     """Decode on the reference path: one GEMV per row. BLAS picks different kernels (so different
@@ -101,6 +106,14 @@ class _KernelOps:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype,
                           device=gate_up.device)
         torch.ops.decodex.silu_mul(gate_up, out)
+        return out
+
+    @classmethod
+    def gate_up_silu(cls, x, w):
+        if x.shape[0] > GEMV_MAX_ROWS:
+            return cls.silu_mul(F.linear(x, w))
+        out = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
+        torch.ops.decodex.gemv_silu_mul(x, w, out)
         return out
 
 
@@ -190,8 +203,8 @@ class Model:
             attn = attend(i, q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D))  # [M, H*D]
             attn = ops.linear(attn, layer.o_w, layer.o_b)  # [M, Hd]
             h, residual = ops.add_norm(attn, residual, layer.post_norm, eps)  # [M, Hd]
-            gate_up = ops.linear(h, layer.gate_up_w)  # [M, 2*I]
-            delta = ops.linear(ops.silu_mul(gate_up), layer.down_w)  # [M, Hd]
+            act = ops.gate_up_silu(h, layer.gate_up_w)  # [M, I] = silu(gate) * up
+            delta = ops.linear(act, layer.down_w)  # [M, Hd]
         h, _ = ops.add_norm(delta, residual, self.final_norm, eps)  # [M, Hd]
         return ops.linear(h, self.lm_head).float()  # [M, V]
 

@@ -16,8 +16,8 @@ if _ext.available():
     def _no_output(*args, **kwargs):
         return None
 
-    for _name in ("gemv", "rms_norm", "fused_add_rms_norm", "rope_append", "silu_mul",
-                  "decode_attention", "argmax", "sample", "advance_positions"):
+    for _name in ("gemv", "gemv_silu_mul", "gemv_rope_append", "rms_norm", "fused_add_rms_norm",
+                  "rope_append", "silu_mul", "decode_attention", "argmax", "sample", "advance_positions"):
         torch.library.register_fake(f"decodex::{_name}")(_no_output)
 
 
@@ -31,6 +31,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _require()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     ops.gemv(x, weight, bias, out)
+    return out
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K], weight [2I, K] = [gate; up] -> new [M, I] = silu(x gate^T) * (x up^T)."""
+    _require()
+    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    ops.gemv_silu_mul(x, weight, out)
+    return out
+
+
+def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache) -> torch.Tensor:
+    """x [M, K] @ the merged q|k|v weight^T (+ bias) -> new [M, (H + 2 Hkv) D] with q and k rotated
+    at positions [M]; k and v written into the caches [M, Hkv, S, D] at those positions."""
+    _require()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    ops.gemv_rope_append(x, weight, bias, inv_freq, positions, out, k_cache, v_cache)
     return out
 
 

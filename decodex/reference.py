@@ -23,6 +23,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.to(x.dtype)
 
 
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K], weight [2I, K] = [gate; up] -> silu_mul(gemv(x, weight)) [M, I] (the gate|up
+    product rounded to x's dtype before the activation, as the fused kernel does)."""
+    return silu_mul(gemv(x, weight))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] / rms(x) * weight [K]."""
     xf = x.float()
@@ -100,6 +106,18 @@ def rope_append(
         k_cache[b, :, pos] = k_rot[b].to(k_cache.dtype)
         v_cache[b, :, pos] = v[b].to(v_cache.dtype)
     return q_rot, k_rot
+
+
+def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache) -> torch.Tensor:
+    """gemv of x [M, K] with the merged q|k|v weight [(H + 2 Hkv) D, K] (+ bias), then rope_append on
+    the q|k|v rows of the result (writes the caches [M, Hkv, S, D]); returns [M, (H + 2 Hkv) D] with
+    q and k rotated. Hkv and D come from k_cache."""
+    M, Hkv, D = x.shape[0], k_cache.shape[1], k_cache.shape[3]
+    qkv = gemv(x, weight, bias)
+    H = qkv.shape[1] // D - 2 * Hkv
+    q, k, v = qkv.view(M, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=1)
+    q, k = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache)
+    return torch.cat([q, k, v], dim=1).reshape(M, -1)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -491,6 +491,25 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["cublas", "gemv8"])
+def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan):
+    """Both ways of running the products above 8 rows, forced for every product: cuBLAS + rope_append
+    / silu_mul, and the fused decodex kernels over 8-row chunks (the last chunk partly dead rows)."""
+    m = models("qwen2-d128")
+
+    def forced(self, n):
+        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+            self.linear_plan[(n, name)] = plan
+
+    monkeypatch.setattr(engine.CudaGraphRunner, "_plan_linears", forced)
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=128)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 60, (11,), generator=g)]
+    run_and_check(f"plan {plan} batch 11", m, runner, prompts, steps=8)
+
+
+@pytest.mark.gpu
 def test_context_grows_past_capture_length_without_recapture():
     """Captured at context L, the same graph decodes on to 4L (lengths live on the device); no
     replay allocates memory."""

@@ -1,0 +1,42 @@
+// The GEMV launcher shared by the ops built on decodex's GEMV kernel (csrc/gemv.cu): gemv,
+// gemv_silu_mul (gemv.cu) and gemv_rope_append (rope_append.cu). Each op checks its own arguments
+// and picks an epilogue; the kernel, its configuration and the launch are gemv.cu's.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <cuda_bf16.h>
+
+#include <optional>
+
+namespace decodex {
+
+// What the GEMV does with its fp32 results.
+enum class GemvEpilogue : int {
+  kStore = 0,       // out[m, n] = bf16(acc + bias[n])
+  kSiluMul = 1,     // weight [2I, K] = [gate; up]: out[m, i] = silu(bf16 gate) * bf16 up
+  kRopeAppend = 2,  // weight = q|k|v rows: out = q|k|v with q, k rotated; k, v appended to the cache
+};
+
+// kRopeAppend's extra arguments (rope_append's, minus q/k/v, which are the GEMV's output rows).
+struct RopeAppendArgs {
+  const float* inv_freq = nullptr;  // [D/2]
+  const int* positions = nullptr;   // [M]: row m's position; < 0 or >= S: no rotation, no append
+  __nv_bfloat16* k_cache = nullptr;  // [M, Hkv, S, D], strides (kc_b, kc_h, D, 1)
+  __nv_bfloat16* v_cache = nullptr;  // [M, Hkv, S, D], strides (vc_b, vc_h, D, 1)
+  int64_t kc_b = 0, kc_h = 0, vc_b = 0, vc_h = 0;
+  int H = 0, Hkv = 0, S = 0, D = 0;
+};
+
+// x [M, K] (M <= 8), weight [rows, K] and out: the checks every GEMV op shares (`op` names the op).
+void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& out);
+// out [M, n_out] with a dense last dim and non-overlapping rows.
+void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
+// bias: none, or [N] bf16 contiguous on x's device; returns its pointer (nullptr for none).
+const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                                     int64_t N);
+// Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
+void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                 const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
+                 const RopeAppendArgs& rope = {});
+
+}  // namespace decodex

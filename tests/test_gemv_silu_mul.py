@@ -1,0 +1,167 @@
+"""decodex::gemv_silu_mul: out[M,I] = silu(x @ gate^T) * (x @ up^T) for weight [2I, K] = [gate; up].
+
+The fused kernel is gemv with a different row pairing plus silu_mul in the epilogue, and promises to
+equal gemv followed by silu_mul bit for bit (same configuration, same fp32 sums, gate and up rounded
+to bf16 before the activation). GPU tests check exactly that on fresh random inputs (every forced
+kernel variant included), check odd I (which silu_mul itself does not take) against the fp32
+reference, graph replay, and every argument check. CPU tests: schema, fake impl, reference.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from decodex import reference
+
+QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
+
+MS = [1, 3, 8] if QUICK else [1, 2, 5, 8]
+# (I, K): Qwen2.5-1.5B's MLP (I 8960, K 1536), small and odd sizes.
+SHAPES = [(8, 8), (768, 136), (8960, 1536)] if QUICK else [(8, 8), (768, 136), (1536, 8960), (8960, 1536)]
+ODD_I = [1, 7, 769]
+
+
+def _inputs(M, I, K, device="cuda"):
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(2 * I, K, device=device) / K**0.5).to(torch.bfloat16)
+    return x, w
+
+
+def _poisoned(M, I):
+    return torch.full((M, I), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def _fused(x, w):
+    out = _poisoned(x.shape[0], w.shape[0] // 2)
+    torch.ops.decodex.gemv_silu_mul(x, w, out)
+    return out
+
+
+def _unfused(x, w):
+    gate_up = torch.full((x.shape[0], w.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.ops.decodex.gemv(x, w, None, gate_up)
+    out = _poisoned(x.shape[0], w.shape[0] // 2)
+    torch.ops.decodex.silu_mul(gate_up, out)
+    return out
+
+
+def _check_close(out, x, w):
+    """Within bf16 rounding of the fp32 reference: gate and up each carry up to one bf16 rounding
+    (2^-8 relative, the kernel and reference may round different fp32 sums), silu' <= 1.1, and the
+    product one more rounding."""
+    assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left)"
+    gu = x.float() @ w.float().t()
+    gate, up = gu.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    bound = 2.0**-7 * (1.1 * gate.abs() * up.abs() + ref.abs() + up.abs() * 0.01) + 1e-5
+    err = (out.float() - ref).abs()
+    assert (err <= bound).all(), f"max excess {float((err - bound).max()):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I,K", SHAPES)
+@pytest.mark.parametrize("M", MS)
+def test_gemv_silu_mul_equals_gemv_then_silu_mul(M, I, K):
+    x, w = _inputs(M, I, K)
+    out = _fused(x, w)
+    assert torch.equal(out, _unfused(x, w))
+    _check_close(out, x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [8, 136, 1544])
+@pytest.mark.parametrize("I", ODD_I)
+@pytest.mark.parametrize("M", [1, 5, 8])
+def test_gemv_silu_mul_odd_sizes(M, I, K):
+    """I not a multiple of 8 (silu_mul needs one; the fused op does not)."""
+    x, w = _inputs(M, I, K)
+    out = _fused(x, w)
+    _check_close(out, x, w)
+    torch.testing.assert_close(out, reference.gemv_silu_mul(x, w), rtol=2**-6, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["1,1,1,4", "2,3,1,8", "8,1,1,4", "1,8,2,8", "2,2,4,4", "1,5,8,4"])
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_silu_mul_every_variant(monkeypatch, config, M):
+    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    x, w = _inputs(M, 776, 1544)
+    assert torch.equal(_fused(x, w), _unfused(x, w))
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_strided_and_graph():
+    """x and out as row slices of wider buffers, captured once and replayed as x changes."""
+    M, I, K = 3, 776, 1536
+    x_buf = torch.randn(M, K + 16, device="cuda").to(torch.bfloat16)
+    x = x_buf[:, 8:8 + K]
+    w = (torch.randn(2 * I, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    out_buf = torch.full((M, I + 3), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = out_buf[:, :I]
+    torch.ops.decodex.gemv_silu_mul(x, w, out)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.decodex.gemv_silu_mul(x, w, out)
+    for _ in range(3):
+        x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _unfused(x.contiguous(), w))
+    assert torch.isnan(out_buf[:, I:]).all(), "gemv_silu_mul wrote outside out's view"
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_opcheck():
+    x, w = _inputs(3, 40, 136)
+    torch.library.opcheck(torch.ops.decodex.gemv_silu_mul.default, (x, w, _poisoned(3, 40)))
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_rejects():
+    x, w = _inputs(2, 16, 64)
+
+    def err(match, x, w, out):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.decodex.gemv_silu_mul(x, w, out)
+
+    err(r"weight.size\(0\) must be even", x, w[:31], _poisoned(2, 15))
+    err(r"out must have shape", x, w, _poisoned(2, 32))
+    err(r"gemv_silu_mul handles M = 1\.\.8", torch.randn(9, 64, device="cuda").to(torch.bfloat16), w,
+        _poisoned(9, 16))
+    err(r"gemv_silu_mul needs K.*multiple of 8", x[:, :12].contiguous(), w[:, :12].contiguous(), _poisoned(2, 16))
+    err(r"weight must have dtype", x, w.float(), _poisoned(2, 16))
+    err(r"out must be a CUDA tensor", x, w, _poisoned(2, 16).cpu())
+
+
+# ---------------------------------------------------------------- CPU
+
+
+@pytest.mark.ext
+def test_gemv_silu_mul_schema_and_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
+    assert schema == "decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out) -> ()", schema
+    with FakeTensorMode():
+        x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(80, 136, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(3, 40, device="cuda", dtype=torch.bfloat16)
+        assert torch.ops.decodex.gemv_silu_mul(x, w, out) is None
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.decodex.gemv_silu_mul.default,
+                          (torch.empty(3, 136, **meta), torch.empty(80, 136, **meta), torch.empty(3, 40, **meta)),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_reference_gemv_silu_mul_cpu():
+    """Equal to silu_mul(gemv(.)) by definition; checked against a hand composition in fp32."""
+    x, w = _inputs(3, 7, 136, device="cpu")
+    got = reference.gemv_silu_mul(x.float(), w.float())
+    gu = x.float() @ w.float().t()
+    torch.testing.assert_close(got, torch.nn.functional.silu(gu[:, :7]) * gu[:, 7:])
+    assert reference.gemv_silu_mul(x, w).dtype == torch.bfloat16
