@@ -18,7 +18,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode                  # both models, all cases, HF included (~6 min)
   python -m bench.decode --quick          # 1.5B, 3 cases, no HF
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
-  python -m bench.decode --profile        # per-kernel breakdown of one 1.5B step at 1K and 32K
+  python -m bench.decode --profile        # per-kernel breakdown of 1.5B steps (b1 1K/32K, b64 1K)
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
 """
@@ -46,6 +46,7 @@ COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
 # (batch, context), in the order HF's compiled cases run when the budget is short.
 CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024)]
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
+PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, 1.5B
 GPU_STEPS = 100  # replays timed for "GPU ms"
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
 HF_STEPS = 10
@@ -162,17 +163,17 @@ def time_to_first_token(model, prompt_len: int = 1024) -> float:
 
 # ---- profile ---------------------------------------------------------------------------------------
 
-def profile_step(model, context: int, reps: int = 3) -> None:
-    """Per-kernel device time of one graph step (batch 1), from torch.profiler over `reps` replays."""
+def profile_step(model, context: int, batch: int = 1, reps: int = 3) -> None:
+    """Per-kernel device time of one graph step, from torch.profiler over `reps` replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = make_runner(model, 1, context)
-    load_rows(runner, 1, context)
-    n = runner.capture(1)
+    runner = make_runner(model, batch, context)
+    load_rows(runner, batch, context)
+    n = runner.capture(batch)
     step_ms = statistics.median(runner.time_steps(n, steps=20))
     per_kernel, how = {}, "graph replay"
     for mode in ("graph", "eager"):
-        load_rows(runner, 1, context)
+        load_rows(runner, batch, context)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
@@ -194,7 +195,7 @@ def profile_step(model, context: int, reps: int = 3) -> None:
     rows.append(["(sum of kernels)", "", total_us, 100.0 * total_us / (step_ms * 1000.0)])
     rows.append(["(graph step, CUDA events)", "", step_ms * 1000.0, 100.0])
     name = MODELS_BY_HIDDEN.get(model.config.hidden_size, "model")
-    print_table(f"{name} step at context {context}, batch 1: kernels ({how})",
+    print_table(f"{name} step at context {context}, batch {batch}: kernels ({how})",
                 ["kernel", "calls/step", "us/step", "% of step"], rows)
     del runner
     torch.cuda.empty_cache()
@@ -333,12 +334,12 @@ def rows(args=None) -> list[list]:
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: time to first token failed: {_err(e)}")
         if args.profile and key == "1.5b":
-            for context in (1024, 32768):
+            for batch, context in PROFILE_CASES:
                 try:
-                    profile_step(model, context)
+                    profile_step(model, context, batch)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
-                    print(f"profile at {context} failed: {_err(e)}")
+                    print(f"profile of batch {batch} at {context} failed: {_err(e)}")
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -409,7 +410,8 @@ def parse_args(argv):
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip transformers+torch.compile")
     p.add_argument("--hf-compile-budget-s", type=float, default=200.0,
                    help="seconds for torch.compile cases over all models (default 200)")
-    p.add_argument("--profile", action="store_true", help="per-kernel breakdown of a 1.5B step at 1K and 32K")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel breakdown of a 1.5B step (batch 1 at 1K and 32K, batch 64 at 1K)")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.quick:

@@ -31,8 +31,9 @@ if has test; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    DECODEX_TEST_QUICK=1 compute-sanitizer --tool $tool --error-exitcode 1 \
-      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemv.py tests/test_decode_attention.py \
+    DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 1 \
+      python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gemv.py tests/test_gemv_silu_mul.py \
+      tests/test_gemv_rope_append.py tests/test_decode_attention.py \
       tests/test_rms_norm.py tests/test_rope_append.py tests/test_silu_mul.py tests/test_argmax.py \
       tests/test_sample.py tests/test_advance_positions.py > "$OUT/sanitize_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1))"
