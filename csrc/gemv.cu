@@ -1,4 +1,6 @@
-// decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) for decode batches M = 1..8.
+// decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) for decode batches M = 1..8, and
+// decodex::gemv_silu_mul, the same kernel with SiLU(gate) * up in its epilogue. The kernel and its
+// launcher also serve gemv_rope_append (csrc/rope_append.cu) through gemv.h.
 //
 // The op streams the weight (every byte read once, ~1 FLOP per byte), so all of it is arranged
 // around keeping enough 16-byte weight loads in flight on every SM and nothing else in the way.
@@ -19,6 +21,11 @@
 //    (U*1 KB per warp in flight); two accumulator sets halve the mma dependency chain.
 //  * Work split: a warp owns one 16-row tile and one of P = wk*c contiguous k-ranges. A block
 //    holds wr tiles x wk k-ranges and sums its k-ranges through shared memory.
+//  * Before griddepcontrol.wait, the first wave of blocks asks L2 for its first round of weight
+//    rows, so that DRAM round trip overlaps the kernel ahead (programmatic dependent launch).
+//  * Epilogues (GemvEpilogue, gemv.h) pick which 16 rows form a tile so that what the epilogue
+//    combines (gate and up; a RoPE pair) lands in one lane; each rounds the product to bf16 first,
+//    so a fused op equals gemv followed by the unfused op bit for bit.
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.

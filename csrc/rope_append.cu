@@ -1,4 +1,5 @@
-// RoPE on q and k in place, then k and v appended to the KV cache, all rows in one launch.
+// RoPE on q and k in place, then k and v appended to the KV cache, all rows in one launch. Also
+// gemv_rope_append (at the end): the merged qkv GEMV with this op in its epilogue (csrc/gemv.cu).
 //
 // Idea: one block per batch row b. The block first computes cos/sin of the D/2 angles
 // float(positions[b]) * inv_freq[i] once into shared memory (fp32 multiply, precise sincosf, as

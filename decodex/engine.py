@@ -3,10 +3,10 @@
 One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
 
     embed -> rms_norm -> per layer [gemv_rope_append (the qkv gemv (+bias) with RoPE and the cache
-    append at the device-side position in its epilogue) -> decode_attention (over the device-side length) -> o gemv ->
-    fused_add_rms_norm -> gemv_silu_mul (gate|up gemv with SiLU*up in its epilogue) -> down gemv ->
-    fused_add_rms_norm (the next
-    layer's input norm, or the final norm)] -> lm_head gemv -> argmax | sample -> advance_positions
+    append at the device-side position in its epilogue) -> decode_attention (over the device-side
+    length) -> o gemv -> fused_add_rms_norm -> gemv_silu_mul (the gate|up gemv with SiLU*up in its
+    epilogue) -> down gemv -> fused_add_rms_norm (the next layer's input norm, or the final norm)]
+    -> lm_head gemv -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
