@@ -34,6 +34,7 @@ import traceback
 import torch
 
 from bench.common import print_table, read_bandwidth_gbs
+from decodex.engine import event_time_ms
 
 MODELS = {
     "1.5b": dict(name="Qwen2.5-1.5B", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -228,20 +229,6 @@ def build_hf(key: str):
     return model.eval(), cfg
 
 
-def _events_ms(fn, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def hf_eager(model, cfg, batch: int, context: int) -> float:
     """ms per decode step of the eager model over a DynamicCache holding `context` random tokens."""
     from transformers import DynamicCache
@@ -261,7 +248,7 @@ def hf_eager(model, cfg, batch: int, context: int) -> float:
         pos[0] += 1
 
     with torch.no_grad():
-        ms = _events_ms(step, HF_STEPS, warmup=3)
+        ms = event_time_ms(step, HF_STEPS, warmup=3)
     del cache
     torch.cuda.empty_cache()
     return ms
@@ -281,7 +268,7 @@ def hf_compiled(model, cfg, batch: int, context: int) -> float:
     with torch.no_grad():
         step(ids, pos)  # eager: allocates the static cache tensors before compiling
         compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
-        ms = _events_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
+        ms = event_time_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
     del cache, compiled
     torch.cuda.empty_cache()
     return ms

@@ -628,7 +628,7 @@ class CudaGraphRunner(HostLoop):
             times = {}
             for plan in ("cublas", "gemv8"):
                 self.linear_plan[(n, name)] = plan
-                times[plan] = _time_us(run) / calls
+                times[plan] = event_time_ms(run) * 1000.0 / calls  # us per call
             self.linear_times_us[(n, name)] = times
             self.linear_plan[(n, name)] = min(times, key=times.get)
 
@@ -791,9 +791,11 @@ def _cublas_linear(x, w, b, out) -> None:
         torch.addmm(b, x, w.t(), out=out)
 
 
-def _time_us(fn, reps: int = 5) -> float:
-    """Median microseconds of fn() on the current stream, after one warm-up call (CUDA events)."""
-    fn()
+def event_time_ms(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of fn() on the current stream over `reps` calls timed with CUDA events,
+    after `warmup` untimed calls. (The linear plan uses it; so does bench/decode.py.)"""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -801,5 +803,5 @@ def _time_us(fn, reps: int = 5) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
