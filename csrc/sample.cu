@@ -95,20 +95,26 @@ __device__ __forceinline__ double block_sum_double(double v, double* scratch) {
   return total;
 }
 
-__device__ __forceinline__ unsigned block_max_uint(unsigned v, unsigned* scratch) {
-  v = __reduce_max_sync(0xffffffffu, v);
+// Block max / min of an unsigned over exactly 32 warps (the redux instruction, one per warp, then one
+// over the 32 warp results).
+template <bool kMax>
+__device__ __forceinline__ unsigned block_extreme_uint(unsigned v, unsigned* scratch) {
+  auto warp_extreme = [](unsigned u) {
+    return kMax ? __reduce_max_sync(0xffffffffu, u) : __reduce_min_sync(0xffffffffu, u);
+  };
+  v = warp_extreme(v);
   __syncthreads();
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
-  return __reduce_max_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+  return warp_extreme(scratch[threadIdx.x & 31]);
+}
+
+__device__ __forceinline__ unsigned block_max_uint(unsigned v, unsigned* scratch) {
+  return block_extreme_uint<true>(v, scratch);
 }
 
 __device__ __forceinline__ unsigned block_min_uint(unsigned v, unsigned* scratch) {
-  v = __reduce_min_sync(0xffffffffu, v);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  return __reduce_min_sync(0xffffffffu, scratch[threadIdx.x & 31]);
+  return block_extreme_uint<false>(v, scratch);
 }
 
 // ---- variant bf16: the full-resolution histogram ----
