@@ -145,12 +145,23 @@ def test_progress_line(checkpoints, capsys):
     assert capsys.readouterr().err == ""
 
 
+def _rewrite(f: str, changes: dict) -> dict:
+    """Rewrites the safetensors file f with tensors replaced, added, or (value None) removed; returns
+    the tensors now in the file."""
+    tensors = load_file(f)
+    for name, t in changes.items():
+        if t is None:
+            del tensors[name]
+        else:
+            tensors[name] = t
+    save_file(tensors, f, metadata={"format": "pt"})
+    return tensors
+
+
 def test_missing_tensor(checkpoints, tmp_path):
     path = _copy(checkpoints, "single", tmp_path)
     f = os.path.join(path, SINGLE)
-    tensors = load_file(f)
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, f, metadata={"format": "pt"})
+    _rewrite(f, {"model.layers.1.mlp.up_proj.weight": None})
     with pytest.raises(LoadError) as e:
         _load(path)
     assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and f in str(e.value)
@@ -162,9 +173,7 @@ def test_missing_tensor_in_shard(checkpoints, tmp_path):
     with open(os.path.join(path, INDEX)) as fh:
         shard = json.load(fh)["weight_map"]["model.layers.0.self_attn.k_proj.bias"]
     f = os.path.join(path, shard)
-    tensors = load_file(f)
-    del tensors["model.layers.0.self_attn.k_proj.bias"]
-    save_file(tensors, f, metadata={"format": "pt"})
+    _rewrite(f, {"model.layers.0.self_attn.k_proj.bias": None})
     with pytest.raises(LoadError) as e:
         _load(path)
     assert "model.layers.0.self_attn.k_proj.bias" in str(e.value) and f in str(e.value)
@@ -173,9 +182,7 @@ def test_missing_tensor_in_shard(checkpoints, tmp_path):
 def test_misshaped_tensor(checkpoints, tmp_path):
     path = _copy(checkpoints, "single", tmp_path)
     f = os.path.join(path, SINGLE)
-    tensors = load_file(f)
-    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.randn(64, 96)
-    save_file(tensors, f, metadata={"format": "pt"})
+    _rewrite(f, {"model.layers.0.self_attn.o_proj.weight": torch.randn(64, 96)})
     with pytest.raises(LoadError) as e:
         _load(path)
     msg = str(e.value)
@@ -227,9 +234,7 @@ def test_no_weights(checkpoints, tmp_path):
 def test_extra_tensors_ignored(checkpoints, tmp_path):
     path = _copy(checkpoints, "single", tmp_path)
     f = os.path.join(path, SINGLE)
-    tensors = load_file(f)
-    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.randn(16)
-    save_file(tensors, f, metadata={"format": "pt"})
+    tensors = _rewrite(f, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.randn(16)})
     model = _load(path)
     assert torch.equal(model.embed, tensors["model.embed_tokens.weight"])
 
@@ -239,14 +244,12 @@ def test_tied_with_stored_lm_head(tmp_path):
     the stored head is used, as transformers 5 does (it declines to tie)."""
     path, _ = make_tiny_checkpoint(tmp_path, "llama", tied=True)
     f = os.path.join(path, SINGLE)
-    tensors = load_file(f)
-    assert "lm_head.weight" not in tensors
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, f, metadata={"format": "pt"})
+    embed = load_file(f)["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in load_file(f)
+    _rewrite(f, {"lm_head.weight": embed.clone()})
     model = _load(path)
     assert model.lm_head is model.embed
-    tensors["lm_head.weight"] = torch.randn_like(tensors["lm_head.weight"])
-    save_file(tensors, f, metadata={"format": "pt"})
+    tensors = _rewrite(f, {"lm_head.weight": torch.randn_like(embed)})
     with pytest.warns(UserWarning, match="lm_head.weight"):
         model = _load(path)
     assert torch.equal(model.lm_head, tensors["lm_head.weight"])
