@@ -106,3 +106,17 @@ def random_model(model_type: str = "llama", device="cpu", dtype=torch.float32, s
 
     config = tiny_config(model_type, **overrides)
     return Model(config, random_weights(config, seed), device, dtype)
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn() run once on a side stream (lazy initialisation stays out of the capture), then captured
+    into a CUDA graph, which is returned without being replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

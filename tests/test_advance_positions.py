@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 BS = [1, 5, 64, 300]
 
@@ -38,15 +39,8 @@ def test_advance_positions_values(B):
 def test_advance_positions_cuda_graph():
     pos, lens = _state(7)
     p, l = pos.cuda(), lens.cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.advance_positions(p, l)  # warm-up: one step
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(lambda: torch.ops.decodex.advance_positions(p, l))  # warm-up: one step
     pos, lens = reference.advance_positions(pos, lens)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.advance_positions(p, l)
     # Capture does not run the kernel: the state is still one step on.
     assert torch.equal(p.cpu(), pos)
     for _ in range(5):

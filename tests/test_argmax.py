@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 BS = [1, 3, 8, 64]
 VS = [1, 7, 1000, 32003, 151936, 152064]
@@ -126,14 +127,7 @@ def test_argmax_cuda_graph():
     B, V = 8, 151936
     logits = _logits(B, V, torch.bfloat16)
     out = torch.zeros(B, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.argmax(logits, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.argmax(logits, out)
+    graph = capture_graph(lambda: torch.ops.decodex.argmax(logits, out))
     for _ in range(10):
         logits.copy_(_logits(B, V, torch.bfloat16))
         out.fill_(-1)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
+from helpers import capture_graph
 
 # (H, Hkv): Qwen2.5-1.5B (group 6), plain multi-head, Qwen2.5-7B (group 7), group 4 on one KV head.
 HEADS = [(12, 2), (8, 8), (28, 4), (4, 1)]
@@ -197,14 +198,7 @@ def test_cuda_graph_replay_as_lengths_grow():
     def call():
         _ops().decode_attention(q, k, v, lens, scale, ws, out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)
     for _ in range(replays):
         out.fill_(float("nan"))
         ws.fill_(float("nan"))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
+from helpers import capture_graph
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # e.g. under compute-sanitizer: fewer sizes
 
@@ -184,10 +185,7 @@ def test_gemv_cuda_graph(M, N, K):
     """Captured once, replayed with x changed in place: the output follows x."""
     x, w, b = _inputs(M, N, K)
     out = _poisoned(M, N)
-    _gemv(x, w, b, out)  # warm-up outside capture (config choice, occupancy queries)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _gemv(x, w, b, out)
+    graph = capture_graph(lambda: _gemv(x, w, b, out))  # warm-up: config choice, occupancy queries
     for _ in range(3):
         x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
         out.fill_(float("nan"))

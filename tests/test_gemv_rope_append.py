@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 THETA = 1_000_000.0
 # (H, Hkv, D, K): Qwen2.5-1.5B, Qwen2.5-7B, a head dim 64 model, a small odd one.
@@ -106,10 +107,7 @@ def test_gemv_rope_append_cuda_graph():
     x, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
     pos = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
     out = torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16)
-    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc)  # warm-up
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc)
+    graph = capture_graph(lambda: torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc))
     kc2, vc2 = kc.clone(), vc.clone()
     for step in range(3):
         pos += 1

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
 
@@ -102,10 +103,7 @@ def test_gemv_silu_mul_strided_and_graph():
     w = (torch.randn(2 * I, K, device="cuda") / K**0.5).to(torch.bfloat16)
     out_buf = torch.full((M, I + 3), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = out_buf[:, :I]
-    torch.ops.decodex.gemv_silu_mul(x, w, out)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.gemv_silu_mul(x, w, out)
+    graph = capture_graph(lambda: torch.ops.decodex.gemv_silu_mul(x, w, out))
     for _ in range(3):
         x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
         out.fill_(float("nan"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 MS = [1, 3, 64, 3000]
 KS = [8, 896, 1536, 3584, 8192]
@@ -150,15 +151,12 @@ def test_norms_opcheck():
 def test_norms_cuda_graph(M, K):
     """Captured once, replayed with new x / residual written on the device."""
     x, w, res, out, out2 = _x(M, K), _w(K), _x(M, K), _poisoned(M, K), _poisoned(M, K)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.rms_norm(x, w, EPS, out)  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def norms():
         torch.ops.decodex.rms_norm(x, w, EPS, out)
         torch.ops.decodex.fused_add_rms_norm(x, res, w, EPS, out2)
+
+    graph = capture_graph(norms)
     for _ in range(3):
         x.copy_(_x(M, K))
         res.copy_(_x(M, K))

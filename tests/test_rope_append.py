@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 # (H, Hkv, D): Qwen2.5-1.5B, Qwen2.5-7B, Llama-3-8B, SmolLM2-135M-like, an odd small one.
 HEADS = [(12, 2, 128), (28, 4, 128), (32, 8, 128), (9, 3, 64), (3, 1, 16)]
@@ -221,14 +222,7 @@ def test_rope_append_cuda_graph():
     qkv, q, k, v = _qkv_views(B, H, Hkv, D)
     kc, vc = _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D)
     positions = torch.zeros(B, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
+    graph = capture_graph(lambda: torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc))
     for step, pos in enumerate(([0, 1, 2], [63, -1, 5], [10, 20, 30])):
         qkv.copy_(_bf16(*qkv.shape))
         q0, k0, kc0, vc0 = q.clone(), k.clone(), kc.clone(), vc.clone()

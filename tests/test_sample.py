@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from decodex import reference
+from helpers import capture_graph
 
 VS = [10, 1000, 32003, 151936]
 DTYPES = [torch.bfloat16, torch.float32]
@@ -261,14 +262,7 @@ def test_sample_cuda_graph():
     seed = torch.tensor([1, 2, 3, -4], dtype=torch.int64, device="cuda")
     pos = torch.zeros(B, dtype=torch.int32, device="cuda")
     out = torch.zeros(B, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.sample(logits, t, k, p, seed, pos, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.sample(logits, t, k, p, seed, pos, out)
+    graph = capture_graph(lambda: torch.ops.decodex.sample(logits, t, k, p, seed, pos, out))
     edges, drawn = 0, set()
     for step in range(8):
         pos.copy_(torch.tensor([step, 100 + step, 7, 5000 - step], dtype=torch.int32, device="cuda"))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
+from helpers import capture_graph
 
 MS = [1, 3, 64, 3000]
 IS = [8, 136, 1000, 8960, 18944]
@@ -93,14 +94,7 @@ def test_silu_mul_opcheck():
 def test_silu_mul_cuda_graph():
     M, I = 2, 8960
     gu, out = _gu(M, I), _poisoned(M, I)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.ops.decodex.silu_mul(gu, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.decodex.silu_mul(gu, out)
+    graph = capture_graph(lambda: torch.ops.decodex.silu_mul(gu, out))
     for _ in range(3):
         gu.copy_(_gu(M, I))
         out.fill_(float("nan"))
