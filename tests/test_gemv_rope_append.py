@@ -38,13 +38,12 @@ def _fused(x, w, b, inv_freq, positions, kc, vc):
     return out
 
 
-def _unfused(x, w, b, inv_freq, positions, kc, vc, H, Hkv, D):
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
+def _unfused(x, w, b, inv_freq, positions, kc, vc):
+    """gemv, then rope_append on the q|k|v rows of its output (Hkv and D from the cache)."""
+    M, Hkv, D = x.shape[0], kc.shape[1], kc.shape[3]
+    out = torch.full((M, w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
     torch.ops.decodex.gemv(x, w, b, out)
-    M = x.shape[0]
-    q = out[:, : H * D].view(M, H, D)
-    k = out[:, H * D: (H + Hkv) * D].view(M, Hkv, D)
-    v = out[:, (H + Hkv) * D:].view(M, Hkv, D)
+    q, k, v = out.view(M, -1, D).split([w.shape[0] // D - 2 * Hkv, Hkv, Hkv], dim=1)
     torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
     return out
 
@@ -54,7 +53,7 @@ def _compare(M, H, Hkv, D, K, positions, bias=True):
     pos = torch.tensor(positions, dtype=torch.int32, device="cuda")
     kc2, vc2 = kc.clone(), vc.clone()
     got = _fused(x, w, b, inv_freq, pos, kc, vc)
-    want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, H, Hkv, D)
+    want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
     assert torch.equal(got, want), "out differs from gemv + rope_append"
     assert torch.equal(kc, kc2), "k_cache differs from gemv + rope_append"
     assert torch.equal(vc, vc2), "v_cache differs from gemv + rope_append"
@@ -112,7 +111,7 @@ def test_gemv_rope_append_cuda_graph():
     for step in range(3):
         pos += 1
         graph.replay()
-        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, H, Hkv, D)
+        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"replay {step}: out differs"
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"replay {step}: caches differ"
