@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -92,14 +93,22 @@ inline void check_shape(const at::Tensor& t, const char* name, Sizes... sizes) {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-inline int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device]) return cached[device];
+// A device attribute, asked once per device (ordinals below 64) and cached; 0 stands for "not
+// asked yet" (the attributes cached here are never 0).
+template <cudaDeviceAttr kAttr>
+inline int device_attribute(int device) {
+  static std::atomic<int> cached[64];  // zero-initialized
+  if (device >= 0 && device < 64) {
+    const int v = cached[device].load(std::memory_order_relaxed);
+    if (v) return v;
+  }
   int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  if (device < 64) cached[device] = n;
+  cudaDeviceGetAttribute(&n, kAttr, device);
+  if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
   return n;
 }
+
+inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
 
 // ---- programmatic dependent launch (PDL) ----

@@ -416,15 +416,6 @@ bool config_override(GemvConfig& cf, bool clusters) {
   return true;
 }
 
-int compute_capability_major(int device) {
-  static std::atomic<int> cached[64];  // 0 = not asked yet
-  if (device < 64 && cached[device].load(std::memory_order_relaxed)) return cached[device];
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (device < 64) cached[device].store(major, std::memory_order_relaxed);
-  return major;
-}
-
 }  // namespace
 
 // ---- host: the shared checks and launcher (gemv.h) ----
@@ -498,7 +489,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   const int64_t N = silu ? rows / 2 : rows;  // outputs per row of x
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
-  const int cc_major = compute_capability_major(device);
+  const int cc_major = device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
   DX_CHECK(cc_major >= 8, "decodex::gemv needs a GPU of compute capability 8.0 or newer");
   const bool clusters = cc_major >= 9;
   const int sms = sm_count(device);
