@@ -83,22 +83,20 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     return out
 
 
-def _configs(N: int, K: int, clusters: bool):
-    """Every (wr, wk, c, u) the kernel takes whose k-ranges all get at least one k-step."""
+def _configs(N: int, K: int):
+    """The (c, stages) configurations worth timing: cluster sizes whose k-ranges all get at least
+    4 k-steps, and rings of 3 to 12 stages."""
     ksteps = -(-K // 32)
-    for c in (1, 2, 4, 8) if clusters else (1,):
-        for u in (4, 8):
-            for wk in range(1, 9):
-                for wr in (1, 2, 4, 8):
-                    if wr * wk <= 8 and wk * c <= ksteps and wr <= -(-N // 16):
-                        yield f"{wr},{wk},{c},{u}"
+    for c in (1, 2, 4, 8):
+        if c == 1 or ksteps >= 4 * c:
+            for stages in (3, 4, 6, 8, 12):
+                yield f"{c},{stages}"
 
 
 def sweep(only: str | None = None, ms=(1, 8)) -> None:
     """Per shape and M: the heuristic's time, then the best configurations found."""
     import decodex  # noqa: F401
 
-    clusters = torch.cuda.get_device_capability()[0] >= 9
     bw = read_bandwidth_gbs()
     for model, name, N, K in SHAPES:
         label = f"{model} {name} {N}x{K}"
@@ -111,7 +109,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             os.environ.pop(ENV, None)
             default = _time_ours(weights, M, reps=10)
             results = []
-            for cfg in _configs(N, K, clusters):
+            for cfg in _configs(N, K):
                 os.environ[ENV] = cfg
                 results.append((_time_ours(weights, M, reps=10), cfg))
             os.environ.pop(ENV, None)
@@ -119,7 +117,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             floor = 2 * N * K / bw / 1e3
             best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
             print(f"{label} M={M}: floor {floor:.2f} us, heuristic {default:.2f} us, "
-                  f"best (wr,wk,c,u us): {best}", flush=True)
+                  f"best (c,stages us): {best}", flush=True)
         del weights
         torch.cuda.empty_cache()
 
