@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     const int* __restrict__ lengths,            // [B]
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
-    int S, int splits, int splits_cap, float scale_log2) {
+    int S, int splits, int splits_cap, float scale_log2, bool prefetch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kS = kStages<D>;
   constexpr uint32_t kRowsBytes = kStageTokens * D * 2;  // the K (or V) rows of one stage
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     }
     fence_mbar_init();
   }
-  if (producer && lane == 0) {
+  if (producer && lane == 0 && prefetch) {
     // Before the wait: the length as a hint (the kernel ahead may be advancing it; any value is
     // safe here, since only L2 prefetches depend on it).
     const int hint = min(max(*reinterpret_cast<const volatile int*>(lengths + b), 0), S);
@@ -556,7 +556,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
         workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         static_cast<int>(H), group, head_blocks, static_cast<int>(S), static_cast<int>(splits),
-        static_cast<int>(workspace.size(2)), scale_log2);
+        static_cast<int>(workspace.size(2)), scale_log2, prefetch_enabled());
     DX_CHECK_LAUNCHED(err, "decode_attention (split)");
     DX_CHECK_LAUNCH("decode_attention (split)");
 

@@ -59,11 +59,12 @@ constexpr int kTileRows = 16;      // weight rows per tile: the mma's m
 constexpr int kStepK = 32;         // k per warp step: 4 threads x 8 bf16
 constexpr int kConsumers = 4;      // consumer warps per block; one producer warp more
 constexpr int kThreads = (kConsumers + 1) * 32;
-constexpr int kChunkK = 512;       // columns per stage at most (1 KB of each row)
-constexpr int kSteps = kChunkK / kStepK / kConsumers;  // k-steps per consumer warp per stage
+constexpr int kChunkK = 1536;      // columns per stage at most (3 KB of each row: see stage_shape)
+constexpr int kSteps = 4;          // k-steps per consumer warp per batch (kSteps * 4 * 32 columns)
+constexpr int kBatchK = kSteps * kConsumers * kStepK;  // columns of one batch of the four warps
 constexpr int kMaxStages = 12;
 constexpr int kMaxCluster = 8;     // portable cluster size limit
-constexpr int kRingBytes = 104 << 10;  // default ring: 6 stages of 16 x 1088 B; two blocks fit an SM
+constexpr int kRingBytes = 104 << 10;  // default ring: 2 stages of 16 x 3136 B; two blocks fit an SM
 
 struct GemvArgs {
   const __nv_bfloat16* x;       // [M, ldx], rows 16 B aligned
@@ -77,6 +78,7 @@ struct GemvArgs {
   int stages;      // ring stages
   int kc;          // columns per stage
   int pitch;       // bytes between rows in a stage (a multiple of 16, = 64 mod 128)
+  bool prefetch;   // L2 prefetch of the first ring's worth before the PDL wait
   RopeAppendArgs rope;
 };
 
@@ -169,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
     fence_mbar_init();
   }
   const bool producer = warp == kConsumers;
-  if (producer) {  // before the wait: L2 prefetch of the first ring's worth (see the file header)
+  if (producer && a.prefetch) {  // before the wait: L2 prefetch of the first ring (file header)
     for (int q = 0; q < min(S, total); ++q) {
       const Stage s = stage(q);
       const TileRows<kEpi> tr(s.tile, a);
@@ -210,11 +212,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
   const int g = lane >> 2, t = lane & 3;
   const __nv_bfloat16* xg = a.x + static_cast<int64_t>(min(g, M - 1)) * a.ldx;
   const uint32_t ring = smem_u32(smem);
-  auto load_x = [&](uint4 (&xv)[kSteps], int q) {
+  // A stage is consumed in batches of kBatchK columns: warp w takes k-steps w, w + 4, ... of each.
+  const int batches = (a.kc + kBatchK - 1) / kBatchK;
+  auto load_x = [&](uint4 (&xv)[kSteps], int q, int batch) {
     const Stage s = stage(q);
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      const int kk = (warp + j * kConsumers) * kStepK + 8 * t;
+      const int kk = batch * kBatchK + (warp + j * kConsumers) * kStepK + 8 * t;
       xv[j] = load16_cached(xg + s.k0 + kk, g < M && kk < s.cols);
     }
   };
@@ -223,32 +227,38 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
   uint4 x_next[kSteps];
-  if (total > 0) load_x(x_next, 0);
+  if (total > 0) load_x(x_next, 0, 0);
   for (int q = 0; q < total; ++q) {
-    uint4 xv[kSteps];
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) xv[j] = x_next[j];
-    if (q + 1 < total) load_x(x_next, q + 1);  // x of the next stage in flight during this one
-
     const Stage s = stage(q);
     const TileRows<kEpi> tr(s.tile, a);
     const bool ok0 = tr.ok(g), ok1 = tr.ok(g + 8);
     const int slot = q % S;
     mbar_wait(&full[slot], (q / S) & 1);
     const uint32_t base = ring + static_cast<uint32_t>(slot * kTileRows) * a.pitch;
-    uint4 wa[kSteps], wb[kSteps];
+    for (int batch = 0; batch < batches; ++batch) {
+      uint4 xv[kSteps];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int kk = (warp + j * kConsumers) * kStepK + 8 * t;
-      const bool in = kk < s.cols;
-      wa[j] = in && ok0 ? lds16(base + g * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
-      wb[j] = in && ok1 ? lds16(base + (g + 8) * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
-    }
+      for (int j = 0; j < kSteps; ++j) xv[j] = x_next[j];
+      // x of the next batch (of this stage or the next) in flight during this one.
+      if (batch + 1 < batches) {
+        load_x(x_next, q, batch + 1);
+      } else if (q + 1 < total) {
+        load_x(x_next, q + 1, 0);
+      }
+      uint4 wa[kSteps], wb[kSteps];
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      // A rows g / g+8 = weight rows; B column g = x row g; same physical k on both sides.
-      mma_bf16_16816(acc_lo, wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j].x, xv[j].y);
-      mma_bf16_16816(acc_hi, wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j].z, xv[j].w);
+      for (int j = 0; j < kSteps; ++j) {
+        const int kk = batch * kBatchK + (warp + j * kConsumers) * kStepK + 8 * t;
+        const bool in = kk < s.cols;
+        wa[j] = in && ok0 ? lds16(base + g * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
+        wb[j] = in && ok1 ? lds16(base + (g + 8) * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+        // A rows g / g+8 = weight rows; B column g = x row g; same physical k on both sides.
+        mma_bf16_16816(acc_lo, wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j].x, xv[j].y);
+        mma_bf16_16816(acc_hi, wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j].z, xv[j].w);
+      }
     }
     __syncwarp();  // every lane's reads of the stage are done (the mma consumed them)
     if (lane == 0) mbar_arrive(&empty[slot]);
@@ -412,9 +422,15 @@ struct StageShape {
   int kc, pitch;
 };
 
+// Columns per stage: each rank's k-range in equal whole-step chunks of at most kChunkK columns.
+// Each row of a stage is one bulk copy, and the copy engine's rate per block is what limits a
+// ring of small copies (measured on the H200, scratch stream benchmark: 16 copies of 1 KB per
+// stage streamed 2.3 TB/s per block per SM, 16 of 3 KB 4.6 TB/s), so chunks are as long as the
+// ring allows.
 StageShape stage_shape(int64_t K, int c) {
-  const int64_t steps_per_rank = ceil_div(ceil_div(K, kStepK), c);
-  const int kc = static_cast<int>(std::min<int64_t>({int64_t{kChunkK}, steps_per_rank * kStepK, K}));
+  const int64_t range = std::min(ceil_div(ceil_div(K, kStepK), c) * kStepK, K);
+  const int64_t chunks = ceil_div(range, kChunkK);
+  const int kc = static_cast<int>(std::min(ceil_div(ceil_div(range, chunks), kStepK) * kStepK, K));
   // Rows 64 B past a multiple of 128 B: a quarter-warp's 16-byte reads of rows g and g+1 then
   // fall into disjoint banks.
   const int pitch = static_cast<int>(ceil_div(2 * kc, 128) * 128 + 64);
@@ -590,6 +606,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   a.stages = cf.stages;
   a.kc = st.kc;
   a.pitch = st.pitch;
+  a.prefetch = prefetch_enabled();
   a.rope = rope;
 
   const GemvKernel kernel = kernel_for(static_cast<int>(M), epilogue);
