@@ -8,24 +8,20 @@
 //   S^T [16 tokens x 8 heads] = K_tile [16 x D] . Q^T [D x 8]
 //   O^T [D x 8 heads]        += V_tile^T [D x 16] . P^T [16 x 8]
 // The 8 head columns hold the query heads of one KV head (padded with zero queries), so every K and
-// V row is read once for its whole group. Fragments are read from shared memory with 16-byte loads:
+// V row is read once for its whole group. Fragments are loaded straight from global memory with
+// 16-byte loads, no shared-memory staging:
 //   - a dot product does not care in which order the head dim is summed, so K (the A operand) and
 //     Q (the B operand) are loaded with the SAME permutation of the head dim that makes each lane's
 //     16-byte chunk of a K row exactly its A-fragment words;
 //   - for P.V the head dim is the M index (any permutation, undone when the result is written) and
 //     the tokens are K; a lane loads 16 bytes of 4 token rows and pairs them with byte permutes into
 //     A-fragment words; P^T comes from the S^T accumulator through one movmatrix transpose per 8x8.
-// Streaming (sm_90): a block is four consumer warps and one producer warp. The producer streams the
-// block's tokens through a ring of shared-memory stages of 64 tokens (K rows, then V rows: each one
-// contiguous bulk copy, cp.async.bulk, completing on the stage's mbarrier), ~96 KB in flight per
-// block from the start; two blocks fit an SM. Consumer warp w takes the 16-token tile w of every
-// stage, with an online softmax in fp32. Before griddepcontrol.wait the producer reads lengths[b]
-// (possibly one step stale: it is only a hint) and asks L2 for the first ring's worth of its rows,
-// so that DRAM round trip overlaps the kernel ahead; the real length is read after the wait.
-// The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head,
-// split) in the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16.
-// That kernel is launched with programmatic dependent launch so its launch overlaps the first
-// kernel's tail (it executes griddepcontrol.wait before it reads anything).
+// Each warp walks 16-token tiles of its split with an online softmax in fp32, keeping the next
+// tile's K and V loads in flight (two register buffers) while it computes the current one. The warps
+// of a block are merged through shared memory into one partial (o, m, l) per (b, head, split) in
+// the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. That kernel
+// is launched with programmatic dependent launch so its launch overlaps the first kernel's tail (it
+// executes griddepcontrol.wait before it reads anything).
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
 // mostly from L2); real models have 1-8.
 //
@@ -37,9 +33,9 @@
 //
 // Lengths are read on the device. The grid (the number of splits) depends only on the cache
 // capacity and the SM count, so one CUDA graph stays valid while the lengths grow; the live length
-// is then cut into equal whole-stage ranges over those splits, so a short sequence in a long cache
-// still spreads over the SMs. A split past lengths[b] reads nothing and writes an empty partial
-// (m = -inf, l = 0); a length-0 sequence gets zeros; lengths are clamped to [0, S].
+// is then cut into equal ranges of whole 128-token blocks over those splits, so a short sequence in
+// a long cache still spreads over the SMs. A split past lengths[b] reads nothing and writes an
+// empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths are clamped to [0, S].
 // Fragments are 32-bit words, so 16-byte chunks are held as uint4 rather than common.h's bf16x8.
 #include <algorithm>
 #include <cmath>
@@ -53,13 +49,10 @@ namespace decodex {
 
 namespace {
 
-constexpr int kWarps = 4;                  // consumer warps per split block; one producer warp more
-constexpr int kThreads = (kWarps + 1) * 32;
-constexpr int kTile = 16;                  // tokens per warp per stage (the mma M/K extent)
-constexpr int kStageTokens = kWarps * kTile;  // tokens per ring stage
-constexpr int kRingBytes = 96 << 10;       // K and V stages in flight per block; two blocks fit an SM
+constexpr int kWarps = 4;                  // warps per split block
+constexpr int kTile = 16;                  // tokens per warp per step (the mma M/K extent)
 constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N extent)
-constexpr int kMinSplitTokens = kStageTokens;  // no split shorter than one stage
+constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
 constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks (2 blocks fit an SM)
 constexpr int kMaxSplits = 1024;           // bounds the combine kernel's shared weights
 constexpr int kCombineThreads = 256;
@@ -91,41 +84,25 @@ struct KVTile {
 };
 
 template <int D>
-constexpr int kStages = kRingBytes / (2 * kStageTokens * D * 2);  // D 128: 3 stages, D 64: 6
-
-// The warp's tile from a ring stage: k_tile / v_tile are the shared addresses of its first K and V
-// rows ([16][D] bf16 each), n of them valid (n >= 1); the others read as zeros (stale bytes of an
-// earlier stage must not reach the mma: 0 * NaN).
-template <int D>
-__device__ __forceinline__ void load_tile(KVTile<D>& tile, uint32_t k_tile, uint32_t v_tile, int n,
-                                          int g, int t) {
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+__device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* k_rows,
+                                          const __nv_bfloat16* v_rows, int base, int end, int g,
+                                          int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int tok = g + 8 * r;
+    const int tok = base + g + 8 * r;
+    const bool ok = tok < end;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c)
-      tile.k[r][c] = tok < n ? lds16(k_tile + 2 * (tok * D + 32 * c + 8 * t)) : zero;
+      tile.k[r][c] = load16_stream(k_rows + (int64_t)tok * D + 32 * c + 8 * t, ok);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int tok = 2 * t + (i & 1) + 8 * (i >> 1);
+    const int tok = base + 2 * t + (i & 1) + 8 * (i >> 1);
+    const bool ok = tok < end;
 #pragma unroll
     for (int h = 0; h < D / 64; ++h)
-      tile.v[i][h] = tok < n ? lds16(v_tile + 2 * (tok * D + 64 * h + 8 * g)) : zero;
+      tile.v[i][h] = load16_stream(v_rows + (int64_t)tok * D + 64 * h + 8 * g, ok);
   }
-}
-
-// Tokens [start, end) of split `split` of `splits` for a sequence of `len` tokens: equal ranges of
-// whole stages (at least one), so the work spreads over the splits whatever the length.
-struct TokenRange {
-  int start, end;
-};
-__device__ __forceinline__ TokenRange split_range(int len, int split, int splits) {
-  const int per = (len + splits - 1) / splits;
-  const int chunk = max(1, (per + kStageTokens - 1) / kStageTokens) * kStageTokens;
-  const int start = split * chunk;
-  return {start, min(start + chunk, len)};
 }
 
 // One 16-token tile (tokens base .. base+15, those >= end masked) into the running softmax state of
@@ -190,62 +167,32 @@ __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (
   }
 }
 
-// Phase 1: grid (splits, Hkv * head_blocks, B), kThreads threads. Block (split, kvh/hb, b) attends
-// the query heads [8hb, 8hb + 8) of KV head kvh's group over its split_range of [0, lengths[b]) and
-// writes, per head, the unnormalised o[D], the running max m (log2 units) and the sum l.
-// Dynamic shared memory: the ring [kStages][K rows, V rows][kStageTokens][D] bf16, reused at the end
-// for the warp merge. __launch_bounds__(kThreads, 2): two blocks per SM.
+// Phase 1: grid (splits, Hkv * head_blocks, B), kWarps warps. Block (split, kvh/hb, b) attends the
+// query heads [8hb, 8hb + 8) of KV head kvh's group over tokens [split*chunk, +chunk) ∩ [0, len),
+// chunk from the live length len
+// and writes, per head, the unnormalised o[D], the running max m (log2 units) and the sum l.
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
+__global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     const __nv_bfloat16* __restrict__ q,        // [B, H, D], batch stride q_bstride
     const __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], batch stride k_bstride
     const __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], batch stride v_bstride
     const int* __restrict__ lengths,            // [B]
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
-    int S, int splits, int splits_cap, float scale_log2, bool prefetch) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kS = kStages<D>;
-  constexpr uint32_t kRowsBytes = kStageTokens * D * 2;  // the K (or V) rows of one stage
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ uint64_t full[kS], empty[kS];
-  __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+    int S, int splits, int splits_cap, float scale_log2) {
+  pdl_begin();  // also lets the combine kernel launch now; it waits for this grid to finish
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
   const int b = blockIdx.z;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool producer = warp == kWarps;
-  const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
-  const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
-
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kS; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], kWarps);
-    }
-    fence_mbar_init();
-  }
-  if (producer && lane == 0 && prefetch) {
-    // Before the wait: the length as a hint (the kernel ahead may be advancing it; any value is
-    // safe here, since only L2 prefetches depend on it).
-    const int hint = min(max(*reinterpret_cast<const volatile int*>(lengths + b), 0), S);
-    const TokenRange r = split_range(hint, split, splits);
-    for (int i = 0; i < kS && r.start + i * kStageTokens < r.end; ++i) {
-      const int t0 = r.start + i * kStageTokens;
-      const uint32_t bytes = static_cast<uint32_t>(min(kStageTokens, r.end - t0)) * D * 2;
-      prefetch_l2_bulk(k_rows + (int64_t)t0 * D, bytes);
-      prefetch_l2_bulk(v_rows + (int64_t)t0 * D, bytes);
-    }
-  }
-  __syncthreads();  // barriers initialised
-  pdl_begin();      // also lets the combine kernel launch now; it waits for this grid to finish
-
   const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
   const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
   const int len = min(max(lengths[b], 0), S);
-  const TokenRange r = split_range(len, split, splits);
-  const int start = r.start, end = r.end;
+  // Equal ranges of whole kMinSplitTokens blocks over the splits (at least one block each).
+  const int per = (len + splits - 1) / splits;
+  const int chunk = max(1, (per + kMinSplitTokens - 1) / kMinSplitTokens) * kMinSplitTokens;
+  const int start = split * chunk;
+  const int end = min(start + chunk, len);
   const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head
   float* ws = workspace + ((int64_t)b * H + head0) * head_stride_ws + (int64_t)split * (D + 2);
 
@@ -257,27 +204,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     }
     return;
   }
-  const int stages = (end - start + kStageTokens - 1) / kStageTokens;
 
-  if (producer) {
-    if (lane < 2) {  // lane 0 streams the K rows, lane 1 the V rows of each stage
-      const uint64_t policy = l2_evict_first();
-      const __nv_bfloat16* rows = lane == 0 ? k_rows : v_rows;
-      for (int i = 0; i < stages; ++i) {
-        const int slot = i % kS, round = i / kS;
-        if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
-        const int t0 = start + i * kStageTokens;
-        const uint32_t bytes = static_cast<uint32_t>(min(kStageTokens, end - t0)) * D * 2;
-        if (lane == 0) mbar_arrive_expect_tx(&full[slot], 2 * bytes);
-        __syncwarp(0x3u);  // armed before either copy can complete
-        bulk_copy_to_shared(smem + (2 * slot + lane) * kRowsBytes, rows + (int64_t)t0 * D, bytes,
-                            &full[slot], policy);
-      }
-    }
-    return;
-  }
-
-  // ---- consumers ----
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
 
   // Q^T as the B operand, head dim permuted like K's: lane holds head g's dims [32c + 8t, +8).
@@ -289,6 +217,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     for (int c = 0; c < D / 32; ++c) qf[c] = load16_stream(q_row + 32 * c + 8 * t, live);
   }
 
+  const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
+  const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
+
   // O^T accumulators: m-block (h, p) row g -> dim 64h + 8g + 2p, row g + 8 -> that dim + 1;
   // columns 2t, 2t+1 -> heads 2t, 2t+1. So o[h*4+p][0|2] is head 2t, o[h*4+p][1|3] head 2t+1.
   float o[D / 16][4];
@@ -297,19 +228,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2t, 2t+1 (log2 units)
   float l0 = 0.f, l1 = 0.f;              // this lane's share of their running sums
 
-  const uint32_t ring = smem_u32(smem);
-  for (int i = 0; i < stages; ++i) {
-    const int slot = i % kS;
-    const int base = start + i * kStageTokens + warp * kTile;  // the warp's first token
-    mbar_wait(&full[slot], (i / kS) & 1);
-    if (base < end) {
-      KVTile<D> tile;
-      const uint32_t k_tile = ring + 2 * slot * kRowsBytes + warp * kTile * D * 2;
-      load_tile<D>(tile, k_tile, k_tile + kRowsBytes, end - base, g, t);
-      attend_tile<D>(tile, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
-    }
-    __syncwarp();  // every lane's reads of the stage are done (attend_tile consumed them)
-    if (lane == 0) mbar_arrive(&empty[slot]);
+  // Two register buffers, alternately filled and consumed (written out twice rather than copied,
+  // so the loads of one tile stay in flight while the other is computed).
+  constexpr int kStep = kWarps * kTile;
+  int base = start + warp * kTile;
+  KVTile<D> buf0, buf1;
+  load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
+  while (base < end) {
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
+    attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+    base += kStep;
+    if (base >= end) break;
+    load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
+    attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+    base += kStep;
   }
 
   // The lane's share of l -> the whole warp's (m is already the same on the 8 lanes of a t).
@@ -319,12 +251,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     l1 += __shfl_xor_sync(0xffffffffu, l1, off);
   }
 
-  // Merge the warps: each puts (m, l, o) per head in shared memory; o goes into the ring, which no
-  // consumer reads any more once all have passed this barrier (and every copy has landed: each
-  // stage was waited for).
-  float (*sm_o)[kHeadsPerBlock][D] = reinterpret_cast<float (*)[kHeadsPerBlock][D]>(smem);
-  static_assert(kWarps * kHeadsPerBlock * D * sizeof(float) <= kRingBytes, "merge buffer > ring");
-  named_barrier_sync(1, kWarps * 32);
+  // Merge the warps: each puts (m, l, o) per head in shared memory.
+  __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+  __shared__ __align__(16) float sm_o[kWarps][kHeadsPerBlock][D];
   if (g == 0) {
     sm_m[warp][2 * t] = m0;
     sm_m[warp][2 * t + 1] = m1;
@@ -341,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
       *reinterpret_cast<float2*>(&sm_o[warp][2 * t + 1][dim]) = make_float2(a[1], a[3]);
     }
   }
-  named_barrier_sync(1, kWarps * 32);
+  __syncthreads();
 
   // A warp with no tile has m = -inf, l = 0, o = 0: weight exp2(-inf) = 0. Warp 0 always has one
   // (its first tile starts at `start` < end), so the block max M is finite.
@@ -364,10 +293,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_split_kernel(
     *reinterpret_cast<float2*>(row + 2 * d2) = acc;
     if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
   }
-#else
-  pdl_begin();
-  __trap();  // bulk copies need sm_90; the host refuses older devices
-#endif
 }
 
 // Phase 2: grid (H, B, D / 32), kCombineThreads threads; block (head, b, slice) writes out[b, head,
@@ -439,9 +364,10 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
 
 // Splits from the cache capacity, never the live length (so a captured graph stays valid): as many
 // as fit B * Hkv * splits split blocks in one resident wave (kSplitBlocksPerSm per SM, i.e. 2x the
-// SM count: two blocks of ~96 KB in flight per SM), but no more than one per stage of capacity.
-// The kernel cuts the live length over them. Monotone non-decreasing in capacity, non-increasing in
-// batch and KV heads; 1 once the (b, kv head) pairs alone fill the GPU.
+// SM count: 8 warps per SM, each with two 16-token tiles of loads in flight), but no split shorter
+// than kMinSplitTokens (2 tiles per warp) so short caches are not cut into slivers whose partials
+// cost more than they save. Monotone non-decreasing in capacity, non-increasing in batch and KV
+// heads; 1 once the (b, kv head) pairs alone fill the GPU.
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count) {
   DX_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
@@ -533,8 +459,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               B, ", ", Hkv, ", ", S, ", sm_count)");
   if (B == 0 || H == 0) return;
 
-  DX_CHECK(device_attribute<cudaDevAttrComputeCapabilityMajor>(q.get_device()) >= 9,
-           "decode_attention needs a GPU of compute capability 9.0 or newer (Hopper: bulk copies)");
   const int group = static_cast<int>(H / Hkv);
   const int head_blocks = (group + kHeadsPerBlock - 1) / kHeadsPerBlock;
   const float scale_log2 = static_cast<float>(scale) * kLog2e;
@@ -542,21 +466,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
-    constexpr size_t kSmem = static_cast<size_t>(kStages<kD>) * 2 * kStageTokens * kD * 2;
-    static const cudaError_t attr_err = cudaFuncSetAttribute(
-        decode_attention_split_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    DX_CHECK(attr_err == cudaSuccess, "decode_attention: cannot allow ", kSmem,
-             " bytes of dynamic shared memory: ", cudaGetErrorString(attr_err));
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
     cudaError_t err = launch_pdl(
-        decode_attention_split_kernel<kD>, grid, dim3(kThreads), kSmem, stream,
+        decode_attention_split_kernel<kD>, grid, dim3(kWarps * 32), 0, stream,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
         workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         static_cast<int>(H), group, head_blocks, static_cast<int>(S), static_cast<int>(splits),
-        static_cast<int>(workspace.size(2)), scale_log2, prefetch_enabled());
+        static_cast<int>(workspace.size(2)), scale_log2);
     DX_CHECK_LAUNCHED(err, "decode_attention (split)");
     DX_CHECK_LAUNCH("decode_attention (split)");
 

@@ -77,7 +77,7 @@ struct GemvArgs {
   int c;           // blocks per cluster: k-ranges of each tile
   int stages;      // ring stages
   int kc;          // columns per stage
-  int pitch;       // bytes between rows in a stage (a multiple of 16, = 64 mod 128)
+  int pitch;       // bytes between rows in a stage (a multiple of 128)
   bool prefetch;   // L2 prefetch of the first ring's worth before the PDL wait
   RopeAppendArgs rope;
 };
@@ -122,7 +122,8 @@ __device__ __forceinline__ void epilogue(const GemvArgs& a, const TileRows<kEpi>
                                          const float (&r)[4]);
 
 // Block b of cluster rank `rank`, cluster `cid` of `nclus`. Roles: warps 0..kConsumers-1 consume,
-// warp kConsumers produces. Dynamic shared memory: the ring [stages][16][pitch] bytes, then (c > 1)
+// warp kConsumers produces. Dynamic shared memory: the ring [stages][16 + M][pitch] bytes (16 weight
+// rows, then the M rows of x over the same columns), then (c > 1)
 // rank 0's inbox for the other ranks' partials [c][2][4][32] floats.
 // __launch_bounds__(kThreads, 2): two blocks per SM (this kernel's and the next one's).
 template <int M, int kEpi>
@@ -145,7 +146,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
   const int my_tiles = cid < a.tiles ? (a.tiles - 1 - cid) / nclus + 1 : 0;
   const int total = my_tiles * chunks;  // stages this block streams
   const int S = a.stages;
-  float* inbox = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kTileRows * a.pitch);
+  constexpr int kRows = kTileRows + M;  // rows of a stage
+  float* inbox = reinterpret_cast<float*>(smem + static_cast<size_t>(S) * kRows * a.pitch);
 
   auto stage = [&](int q) {
     Stage s;
@@ -195,14 +197,20 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
       if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
       const Stage s = stage(q);
       const TileRows<kEpi> tr(s.tile, a);
-      const bool copy = lane < kTileRows && s.cols > 0 && tr.ok(lane);
+      // Lanes 0..15: the tile's weight rows; lanes 16..16+M-1: the rows of x (L2-resident, read by
+      // every tile; staged with the weight so the consumers never wait on global memory).
+      const bool is_x = lane >= kTileRows && lane < kRows;
+      const bool copy = s.cols > 0 && (is_x || (lane < kTileRows && tr.ok(lane)));
       const unsigned rows = __popc(__ballot_sync(0xffffffffu, copy));
       if (lane == 0) mbar_arrive_expect_tx(&full[slot], rows * static_cast<unsigned>(s.cols) * 2u);
       __syncwarp();
       if (copy) {
-        bulk_copy_to_shared(smem + (static_cast<size_t>(slot) * kTileRows + lane) * a.pitch,
-                            a.weight + static_cast<int64_t>(tr.row(lane)) * a.ldw + s.k0,
-                            static_cast<uint32_t>(s.cols) * 2u, &full[slot], policy);
+        const __nv_bfloat16* src =
+            is_x ? a.x + static_cast<int64_t>(lane - kTileRows) * a.ldx + s.k0
+                 : a.weight + static_cast<int64_t>(tr.row(lane)) * a.ldw + s.k0;
+        bulk_copy_to_shared(smem + (static_cast<size_t>(slot) * kRows + lane) * a.pitch, src,
+                            static_cast<uint32_t>(s.cols) * 2u, &full[slot],
+                            is_x ? l2_evict_last() : policy);
       }
     }
     return;  // c > 1: the producer takes no part in the partial-sum handshakes
@@ -210,48 +218,30 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
 
   // ---- consumers ----
   const int g = lane >> 2, t = lane & 3;
-  const __nv_bfloat16* xg = a.x + static_cast<int64_t>(min(g, M - 1)) * a.ldx;
   const uint32_t ring = smem_u32(smem);
   // A stage is consumed in batches of kBatchK columns: warp w takes k-steps w, w + 4, ... of each.
   const int batches = (a.kc + kBatchK - 1) / kBatchK;
-  auto load_x = [&](uint4 (&xv)[kSteps], int q, int batch) {
-    const Stage s = stage(q);
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int kk = batch * kBatchK + (warp + j * kConsumers) * kStepK + 8 * t;
-      xv[j] = load16_cached(xg + s.k0 + kk, g < M && kk < s.cols);
-    }
-  };
 
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
-  uint4 x_next[kSteps];
-  if (total > 0) load_x(x_next, 0, 0);
   for (int q = 0; q < total; ++q) {
     const Stage s = stage(q);
     const TileRows<kEpi> tr(s.tile, a);
     const bool ok0 = tr.ok(g), ok1 = tr.ok(g + 8);
     const int slot = q % S;
     mbar_wait(&full[slot], (q / S) & 1);
-    const uint32_t base = ring + static_cast<uint32_t>(slot * kTileRows) * a.pitch;
+    const uint32_t base = ring + static_cast<uint32_t>(slot * kRows) * a.pitch;
     for (int batch = 0; batch < batches; ++batch) {
-      uint4 xv[kSteps];
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) xv[j] = x_next[j];
-      // x of the next batch (of this stage or the next) in flight during this one.
-      if (batch + 1 < batches) {
-        load_x(x_next, q, batch + 1);
-      } else if (q + 1 < total) {
-        load_x(x_next, q + 1, 0);
-      }
-      uint4 wa[kSteps], wb[kSteps];
+      uint4 wa[kSteps], wb[kSteps], xv[kSteps];
 #pragma unroll
       for (int j = 0; j < kSteps; ++j) {
         const int kk = batch * kBatchK + (warp + j * kConsumers) * kStepK + 8 * t;
         const bool in = kk < s.cols;
-        wa[j] = in && ok0 ? lds16(base + g * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
-        wb[j] = in && ok1 ? lds16(base + (g + 8) * a.pitch + 2 * kk) : make_uint4(0, 0, 0, 0);
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        wa[j] = in && ok0 ? lds16(base + g * a.pitch + 2 * kk) : zero;
+        wb[j] = in && ok1 ? lds16(base + (g + 8) * a.pitch + 2 * kk) : zero;
+        xv[j] = in && g < M ? lds16(base + (kTileRows + g) * a.pitch + 2 * kk) : zero;
       }
 #pragma unroll
       for (int j = 0; j < kSteps; ++j) {
@@ -422,47 +412,42 @@ struct StageShape {
   int kc, pitch;
 };
 
-// Columns per stage: each rank's k-range in equal whole-step chunks of at most kChunkK columns.
-// Each row of a stage is one bulk copy, and the copy engine's rate per block is what limits a
-// ring of small copies (measured on the H200, scratch stream benchmark: 16 copies of 1 KB per
-// stage streamed 2.3 TB/s per block per SM, 16 of 3 KB 4.6 TB/s), so chunks are as long as the
-// ring allows.
-StageShape stage_shape(int64_t K, int c) {
+// Columns per stage: each rank's k-range in equal whole-step chunks, as long as two stages of
+// 16 + M rows fit the ring (at most kChunkK). Each row of a stage is one bulk copy, and the copy
+// engine's rate per block is what limits a ring of small copies (measured on the H200, scratch
+// stream benchmark: 16 copies of 1 KB per stage streamed 2.3 TB/s at one block per SM, 16 of 3 KB
+// 4.6 TB/s), so chunks are as long as the ring allows.
+StageShape stage_shape(int64_t K, int c, int M) {
   const int64_t range = std::min(ceil_div(ceil_div(K, kStepK), c) * kStepK, K);
-  const int64_t chunks = ceil_div(range, kChunkK);
+  const int64_t cap = std::min<int64_t>(kChunkK, kRingBytes / 2 / (kTileRows + M) / 128 * 64);
+  const int64_t chunks = ceil_div(range, cap);
   const int kc = static_cast<int>(std::min(ceil_div(ceil_div(range, chunks), kStepK) * kStepK, K));
-  // Rows 64 B past a multiple of 128 B: a quarter-warp's 16-byte reads of rows g and g+1 then
-  // fall into disjoint banks.
-  const int pitch = static_cast<int>(ceil_div(2 * kc, 128) * 128 + 64);
+  // Rows start on 128-byte boundaries (the 16-byte reads of a quarter-warp then hit two rows on
+  // the same banks: a 2-way conflict, cheap next to the memory stream).
+  const int pitch = static_cast<int>(ceil_div(2 * kc, 128) * 128);
   return {kc, pitch};
 }
 
-int default_stages(const StageShape& st) {
-  return std::clamp(kRingBytes / (kTileRows * st.pitch), 2, kMaxStages);
+int stage_bytes(const StageShape& st, int M) { return (kTileRows + M) * st.pitch; }
+
+int default_stages(const StageShape& st, int M) {
+  return std::clamp(kRingBytes / stage_bytes(st, M), 2, kMaxStages);
 }
 
-size_t smem_bytes(const StageShape& st, const GemvConfig& cf) {
-  return static_cast<size_t>(cf.stages) * kTileRows * st.pitch +
+size_t smem_bytes(const StageShape& st, const GemvConfig& cf, int M) {
+  return static_cast<size_t>(cf.stages) * stage_bytes(st, M) +
          (cf.c > 1 ? static_cast<size_t>(cf.c) * 2 * 4 * 32 * sizeof(float) : 0);
 }
 
-// The cluster size: the c in {1, 2, 4, 8} whose busiest SM streams the least, counting one block
-// per SM (floor(sms / c) clusters, each tile split c ways), with at least 4 k-steps per rank;
-// ties go to the smaller c (fewer handshakes).
-int choose_cluster(int64_t tiles, int64_t K, int sms, bool clusters) {
+// The cluster size: 1 (each block takes whole tiles) unless that leaves most SMs idle; then the
+// smallest power of two that gives at least half the SMs work, with at least 4 k-steps per rank.
+// (Measured: with enough tiles, split-K lost to whole tiles everywhere, e.g. 1.5B gate|up 27 us at
+// c = 1 against 49 us at c = 2, because every rank must wait for the slowest at each tile.)
+int choose_cluster(int64_t tiles, int64_t K, int sms) {
   const int64_t ksteps = ceil_div(K, kStepK);
-  int best = 1;
-  double best_load = std::numeric_limits<double>::infinity();
-  for (int c = 1; c <= (clusters ? kMaxCluster : 1); c *= 2) {
-    if (c > 1 && ksteps < 4 * c) break;
-    const int64_t nclus = std::max<int64_t>(1, std::min<int64_t>(tiles, sms / c));
-    const double load = static_cast<double>(ceil_div(tiles, nclus)) / c;
-    if (load < best_load * 0.999) {
-      best = c;
-      best_load = load;
-    }
-  }
-  return best;
+  int c = 1;
+  while (c < kMaxCluster && tiles * c < sms / 2 && ksteps >= 8 * c) c *= 2;
+  return c;
 }
 
 // DECODEX_GEMV_CONFIG="c,stages": a fixed configuration for tuning sweeps and tests.
@@ -582,13 +567,13 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
   GemvConfig cf{};
   const bool forced = config_override(cf);
-  if (!forced) cf.c = choose_cluster(tiles, K, sms, /*clusters=*/true);
-  const StageShape st = stage_shape(K, cf.c);
-  if (!forced) cf.stages = default_stages(st);
-  const size_t smem = smem_bytes(st, cf);
+  if (!forced) cf.c = choose_cluster(tiles, K, sms);
+  const StageShape st = stage_shape(K, cf.c, static_cast<int>(M));
+  if (!forced) cf.stages = default_stages(st, static_cast<int>(M));
+  const size_t smem = smem_bytes(st, cf, static_cast<int>(M));
   DX_CHECK(smem <= static_cast<size_t>(kMaxDynamicSmem), "decodex::", op, ": ", cf.stages,
-           " stages of ", kTileRows * st.pitch, " bytes do not fit in shared memory (at most ",
-           kMaxDynamicSmem, " bytes)");
+           " stages of ", stage_bytes(st, static_cast<int>(M)),
+           " bytes do not fit in shared memory (at most ", kMaxDynamicSmem, " bytes)");
   const int64_t nclus = std::max<int64_t>(1, std::min<int64_t>(tiles, sms / cf.c));
 
   GemvArgs a{};

@@ -150,6 +150,13 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   return policy;
 }
 
+// An L2 policy for data every block reads (activations): kept over streamed data.
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // bytes (a multiple of 16; both addresses 16-byte aligned) from global memory into this block's
 // shared memory, completing on `bar`'s transaction count.
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
