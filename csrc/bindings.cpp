@@ -15,10 +15,13 @@ extern "C" PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(decodex, m) {
   // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, M <= 8, K % 8 == 0.
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
+  // on the stream does not write `weight`, so the GEMV may start copying it while that kernel runs
+  // (programmatic dependent launch); the decode graph sets it, since its weights never change.
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
-  m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
+  m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.
@@ -29,7 +32,7 @@ TORCH_LIBRARY(decodex, m) {
   // out[M,(H+2Hkv)*D] = x @ weight^T (+ bias) for the merged q|k|v weight, then rope_append on out's
   // q|k|v rows (q, k rotated, k and v written to the caches [M,Hkv,S,D] at positions[M]): one kernel,
   // equal to gemv + rope_append bit for bit; M <= 8.
-  m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
+  m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False) -> ()");
   // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.

@@ -147,16 +147,6 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-// Whether kernels that stream from global memory (gemv, decode_attention) ask L2 for their first
-// bytes before griddepcontrol.wait. DECODEX_PREFETCH=0 turns it off (read once), for measurements.
-inline bool prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DECODEX_PREFETCH");
-    return !(v && v[0] == '0');
-  }();
-  return enabled;
-}
-
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute; returns the launch error.
 template <typename... Params, typename... Args>
 inline cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

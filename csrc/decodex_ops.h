@@ -21,14 +21,18 @@ inline c10::TypedOperatorHandle<Sig> op(const char* name) {
 
 using T = at::Tensor;
 
-inline void gemv(const T& x, const T& weight, const std::optional<T>& bias, T& out) {
-  static auto h = detail::op<void(const T&, const T&, const std::optional<T>&, T&)>("decodex::gemv");
-  h.call(x, weight, bias, out);
+// prefetch_weight: see the schemas in csrc/bindings.cpp (the weight is not written by the kernel
+// just before this one on the stream).
+inline void gemv(const T& x, const T& weight, const std::optional<T>& bias, T& out,
+                 bool prefetch_weight = false) {
+  static auto h =
+      detail::op<void(const T&, const T&, const std::optional<T>&, T&, bool)>("decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight);
 }
 
-inline void gemv_silu_mul(const T& x, const T& weight, T& out) {
-  static auto h = detail::op<void(const T&, const T&, T&)>("decodex::gemv_silu_mul");
-  h.call(x, weight, out);
+inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false) {
+  static auto h = detail::op<void(const T&, const T&, T&, bool)>("decodex::gemv_silu_mul");
+  h.call(x, weight, out, prefetch_weight);
 }
 
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
@@ -48,10 +52,11 @@ inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& posi
 }
 
 inline void gemv_rope_append(const T& x, const T& weight, const std::optional<T>& bias,
-                             const T& inv_freq, const T& positions, T& out, T& k_cache, T& v_cache) {
+                             const T& inv_freq, const T& positions, T& out, T& k_cache, T& v_cache,
+                             bool prefetch_weight = false) {
   static auto h = detail::op<void(const T&, const T&, const std::optional<T>&, const T&, const T&,
-                                  T&, T&, T&)>("decodex::gemv_rope_append");
-  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache);
+                                  T&, T&, T&, bool)>("decodex::gemv_rope_append");
+  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight);
 }
 
 inline void silu_mul(const T& gate_up, T& out) {

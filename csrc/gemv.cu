@@ -78,7 +78,7 @@ struct GemvArgs {
   int stages;      // ring stages
   int kc;          // columns per stage
   int pitch;       // bytes between rows in a stage (a multiple of 128)
-  bool prefetch;   // L2 prefetch of the first ring's worth before the PDL wait
+  bool prefetch_weight;  // the first ring's weight rows may be copied before the PDL wait
   RopeAppendArgs rope;
 };
 
@@ -173,45 +173,51 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const GemvArgs a) {
     fence_mbar_init();
   }
   const bool producer = warp == kConsumers;
-  if (producer && a.prefetch) {  // before the wait: L2 prefetch of the first ring (file header)
-    for (int q = 0; q < min(S, total); ++q) {
-      const Stage s = stage(q);
-      const TileRows<kEpi> tr(s.tile, a);
-      if (lane < kTileRows && s.cols > 0 && tr.ok(lane)) {
-        prefetch_l2_bulk(a.weight + static_cast<int64_t>(tr.row(lane)) * a.ldw + s.k0,
-                         static_cast<uint32_t>(s.cols) * 2u);
-      }
-    }
-  }
   if (c > 1) {
     cooperative_groups::this_cluster().sync();  // every block's barriers initialised
   } else {
     __syncthreads();
   }
+
+  // Stage q's copies: the weight rows (lanes 0..15) and the M rows of x over the same columns
+  // (lanes 16..16+M-1; x is L2-resident and read by every tile, staged with the weight so that the
+  // consumers never wait on global memory). `arm`: this call also arms the stage's barrier with
+  // the bytes of both parts.
+  const uint64_t policy = l2_evict_first();
+  auto copy_stage = [&](int q, bool weight_rows, bool x_rows, bool arm) {
+    const Stage s = stage(q);
+    const TileRows<kEpi> tr(s.tile, a);
+    const int slot = q % S;
+    const bool is_x = lane >= kTileRows && lane < kRows;
+    const bool w_row = lane < kTileRows && tr.ok(lane);
+    if (arm) {
+      const unsigned rows = __popc(__ballot_sync(0xffffffffu, s.cols > 0 && (is_x || w_row)));
+      if (lane == 0) mbar_arrive_expect_tx(&full[slot], rows * static_cast<unsigned>(s.cols) * 2u);
+      __syncwarp();  // armed before any of its copies can complete
+    }
+    if (s.cols > 0 && ((weight_rows && w_row) || (x_rows && is_x))) {
+      const __nv_bfloat16* src =
+          is_x ? a.x + static_cast<int64_t>(lane - kTileRows) * a.ldx + s.k0
+               : a.weight + static_cast<int64_t>(tr.row(lane)) * a.ldw + s.k0;
+      bulk_copy_to_shared(smem + (static_cast<size_t>(slot) * kRows + lane) * a.pitch, src,
+                          static_cast<uint32_t>(s.cols) * 2u, &full[slot],
+                          is_x ? l2_evict_last() : policy);
+    }
+  };
+  // prefetch_weight: the caller promises the kernel ahead does not write the weight, so the first
+  // ring's weight rows are copied before griddepcontrol.wait, during that kernel (x after it).
+  const int early = a.prefetch_weight ? min(S, total) : 0;
+  if (producer) {
+    for (int q = 0; q < early; ++q) copy_stage(q, true, false, true);
+  }
   pdl_begin();
 
   if (producer) {
-    const uint64_t policy = l2_evict_first();
-    for (int q = 0; q < total; ++q) {
-      const int slot = q % S, round = q / S;
-      if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
-      const Stage s = stage(q);
-      const TileRows<kEpi> tr(s.tile, a);
-      // Lanes 0..15: the tile's weight rows; lanes 16..16+M-1: the rows of x (L2-resident, read by
-      // every tile; staged with the weight so the consumers never wait on global memory).
-      const bool is_x = lane >= kTileRows && lane < kRows;
-      const bool copy = s.cols > 0 && (is_x || (lane < kTileRows && tr.ok(lane)));
-      const unsigned rows = __popc(__ballot_sync(0xffffffffu, copy));
-      if (lane == 0) mbar_arrive_expect_tx(&full[slot], rows * static_cast<unsigned>(s.cols) * 2u);
-      __syncwarp();
-      if (copy) {
-        const __nv_bfloat16* src =
-            is_x ? a.x + static_cast<int64_t>(lane - kTileRows) * a.ldx + s.k0
-                 : a.weight + static_cast<int64_t>(tr.row(lane)) * a.ldw + s.k0;
-        bulk_copy_to_shared(smem + (static_cast<size_t>(slot) * kRows + lane) * a.pitch, src,
-                            static_cast<uint32_t>(s.cols) * 2u, &full[slot],
-                            is_x ? l2_evict_last() : policy);
-      }
+    for (int q = 0; q < early; ++q) copy_stage(q, false, true, false);
+    for (int q = early; q < total; ++q) {
+      const int round = q / S;
+      if (round > 0) mbar_wait(&empty[q % S], (round - 1) & 1);
+      copy_stage(q, true, true, true);
     }
     return;  // c > 1: the producer takes no part in the partial-sum handshakes
   }
@@ -551,7 +557,7 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias_ptr, at::Tensor& out, GemvEpilogue epilogue,
-                 const RopeAppendArgs& rope) {
+                 bool prefetch_weight, const RopeAppendArgs& rope) {
   const bool silu = epilogue == GemvEpilogue::kSiluMul;
   const int64_t M = x.size(0), K = x.size(1), rows = weight.size(0);
   const int64_t N = silu ? rows / 2 : rows;  // outputs per row of x
@@ -591,7 +597,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   a.stages = cf.stages;
   a.kc = st.kc;
   a.pitch = st.pitch;
-  a.prefetch = prefetch_enabled();
+  a.prefetch_weight = prefetch_weight;
   a.rope = rope;
 
   const GemvKernel kernel = kernel_for(static_cast<int>(M), epilogue);
@@ -630,23 +636,24 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out) {
+          at::Tensor& out, bool prefetch_weight) {
   check_gemv_x_weight("gemv", x, weight, out);
   const int64_t M = x.size(0), N = weight.size(0);
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   if (N == 0) return;
-  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore);
+  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, prefetch_weight);
 }
 
-void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
+void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
+                   bool prefetch_weight) {
   check_gemv_x_weight("gemv_silu_mul", x, weight, out);
   const int64_t M = x.size(0), rows = weight.size(0);
   DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   if (rows == 0) return;
-  launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul);
+  launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, prefetch_weight);
 }
 
 }  // namespace decodex

@@ -497,7 +497,8 @@ class CudaGraphRunner(HostLoop):
             _cublas_linear(x, w, b, out)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
-                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS])
+                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS],
+                                       prefetch_weight=True)
 
     def _qkv_rope(self, n: int, x, layer, k_cache, v_cache) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) with q and k rotated at the rows' positions, k and v
@@ -511,7 +512,7 @@ class CudaGraphRunner(HostLoop):
             for r in range(0, n, GEMV_MAX_ROWS):
                 s = slice(r, r + GEMV_MAX_ROWS)
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
-                                                   qkv[s], k_cache[s], v_cache[s])
+                                                   qkv[s], k_cache[s], v_cache[s], prefetch_weight=True)
 
     def _gate_up_silu(self, n: int, x, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd]:
@@ -521,7 +522,8 @@ class CudaGraphRunner(HostLoop):
             torch.ops.decodex.silu_mul(self.gate_up[:n], act)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
-                torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS])
+                torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],
+                                                prefetch_weight=True)
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""

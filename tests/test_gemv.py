@@ -202,6 +202,35 @@ def test_gemv_cuda_graph(M, N, K):
         _check(out, x, w, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 769, 8960), (3, 17920, 1536)])
+def test_gemv_prefetch_weight(M, N, K):
+    """prefetch_weight=True (weight copies start before the PDL wait) in one CUDA graph of GEMVs,
+    each reading the output of the one before as x: bitwise the same as plain calls."""
+    xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16)]
+    ws = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
+    sq = [(torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16) for _ in range(3)]
+    mids = [_poisoned(M, N) for _ in range(3)]
+    outs = [torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def chain(prefetch):
+        x = xs[0]
+        for i in range(3):  # x -> mid (N) -> out (K) -> next x: every GEMV depends on the one before
+            torch.ops.decodex.gemv(x, ws[i], None, mids[i], prefetch_weight=prefetch)
+            torch.ops.decodex.gemv(mids[i], sq[i], None, outs[i], prefetch_weight=prefetch)
+            x = outs[i]
+        return [t.clone() for t in mids + outs]
+
+    want = chain(False)
+    graph = capture_graph(lambda: chain(True))
+    for t in mids + outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, exp in zip(mids + outs, want):
+        assert torch.equal(got, exp)
+
+
 # ---------------------------------------------------------------- GPU: argument checks
 
 
@@ -291,7 +320,8 @@ def test_gemv_rejects_layouts():
 @pytest.mark.ext
 def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
-    assert schema == "decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", schema
+    assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
+                      "bool prefetch_weight=False) -> ()"), schema
 
 
 @pytest.mark.ext

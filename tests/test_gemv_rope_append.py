@@ -157,7 +157,8 @@ def test_gemv_rope_append_schema_and_fake():
 
     schema = str(torch.ops.decodex.gemv_rope_append.default._schema)
     assert schema == ("decodex::gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, "
-                      "Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()"), schema
+                      "Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+                      "bool prefetch_weight=False) -> ()"), schema
     with FakeTensorMode():
         bf = dict(device="cuda", dtype=torch.bfloat16)
         args = (torch.empty(2, 40, **bf), torch.empty(80, 40, **bf), None,

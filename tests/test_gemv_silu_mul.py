@@ -142,7 +142,8 @@ def test_gemv_silu_mul_schema_and_fake():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
-    assert schema == "decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out) -> ()", schema
+    assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
+                      "bool prefetch_weight=False) -> ()"), schema
     with FakeTensorMode():
         x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(80, 136, device="cuda", dtype=torch.bfloat16)
