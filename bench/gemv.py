@@ -3,8 +3,8 @@
 L2-cold: one weight copy per call in a stack larger than the L2 (bench.common.copies_for, capped at
 MAX_STACK_BYTES), every call captured in one CUDA graph; both sides time the same stack in the same
 run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the same run.
-"decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call starts
-copying its weight while the call before it runs), as the decode graph does; GB/s, % of bw and the
+"decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call loads its
+first weights while the call before it runs), as the decode graph does; GB/s, % of bw and the
 speedup over cuBLAS are of the prefetch_weight calls.
 
     python -m bench.gemv                       # the table
@@ -89,20 +89,22 @@ def rows(bandwidth_gbs: float | None = None) -> list[list]:
     return out
 
 
-def _configs(N: int, K: int):
-    """The (c, stages) configurations worth timing: cluster sizes whose k-ranges all get at least
-    4 k-steps, and rings of 2 to 6 stages (those that do not fit are skipped by sweep)."""
+def _configs(N: int, K: int, clusters: bool):
+    """Every (wr, wk, c, u) the kernel takes whose k-ranges all get at least one k-step."""
     ksteps = -(-K // 32)
-    for c in (1, 2, 4, 8):
-        if c == 1 or ksteps >= 4 * c:
-            for stages in (2, 3, 4, 6):
-                yield f"{c},{stages}"
+    for c in (1, 2, 4, 8) if clusters else (1,):
+        for u in (4, 8):
+            for wk in range(1, 9):
+                for wr in (1, 2, 4, 8):
+                    if wr * wk <= 8 and wk * c <= ksteps and wr <= -(-N // 16):
+                        yield f"{wr},{wk},{c},{u}"
 
 
 def sweep(only: str | None = None, ms=(1, 8)) -> None:
     """Per shape and M: the heuristic's time, then the best configurations found."""
     import decodex  # noqa: F401
 
+    clusters = torch.cuda.get_device_capability()[0] >= 9
     bw = read_bandwidth_gbs()
     for model, name, N, K in SHAPES:
         label = f"{model} {name} {N}x{K}"
@@ -115,18 +117,15 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             os.environ.pop(ENV, None)
             default = _time_ours(weights, M, reps=10, prefetch_weight=True)
             results = []
-            for cfg in _configs(N, K):
+            for cfg in _configs(N, K, clusters):
                 os.environ[ENV] = cfg
-                try:
-                    results.append((_time_ours(weights, M, reps=10, prefetch_weight=True), cfg))
-                except RuntimeError:  # a ring that does not fit in shared memory
-                    pass
+                results.append((_time_ours(weights, M, reps=10, prefetch_weight=True), cfg))
             os.environ.pop(ENV, None)
             results.sort()
             floor = 2 * N * K / bw / 1e3
             best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
             print(f"{label} M={M}: floor {floor:.2f} us, heuristic {default:.2f} us, "
-                  f"best (c,stages us): {best}", flush=True)
+                  f"best (wr,wk,c,u us): {best}", flush=True)
         del weights
         torch.cuda.empty_cache()
 

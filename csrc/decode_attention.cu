@@ -33,8 +33,8 @@
 //
 // Lengths are read on the device. The grid (the number of splits) depends only on the cache
 // capacity and the SM count, so one CUDA graph stays valid while the lengths grow; the live length
-// is then cut into equal ranges of whole 128-token blocks over those splits, so a short sequence in
-// a long cache still spreads over the SMs. A split past lengths[b] reads nothing and writes an
+// is then cut into equal ranges of whole 16-token tiles (at least 128 tokens) over those splits, so
+// a short sequence in a long cache still spreads over the SMs. A split past lengths[b] reads nothing and writes an
 // empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths are clamped to [0, S].
 // Fragments are 32-bit words, so 16-byte chunks are held as uint4 rather than common.h's bf16x8.
 #include <algorithm>
@@ -188,9 +188,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
   const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
   const int len = min(max(lengths[b], 0), S);
-  // Equal ranges of whole kMinSplitTokens blocks over the splits (at least one block each).
+  // Equal ranges of whole tiles over the splits, none shorter than kMinSplitTokens.
   const int per = (len + splits - 1) / splits;
-  const int chunk = max(1, (per + kMinSplitTokens - 1) / kMinSplitTokens) * kMinSplitTokens;
+  const int chunk = max(kMinSplitTokens, (per + kTile - 1) / kTile * kTile);
   const int start = split * chunk;
   const int end = min(start + chunk, len);
   const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head

