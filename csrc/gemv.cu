@@ -126,9 +126,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   const __nv_bfloat16* w0 = weight + static_cast<int64_t>(min(row0, rows - 1)) * ldw;
   const __nv_bfloat16* w1 = weight + static_cast<int64_t>(min(row1, rows - 1)) * ldw;
   const __nv_bfloat16* xg = x + static_cast<int64_t>(min(g, M - 1)) * ldx;
-  // The weights of the round starting at k-step s (U steps), issued as one batch of loads.
-  uint4 wa[U], wb[U];
-  auto load_weights = [&](int s) {
+  // One trip of the loop: the weights of the U k-steps from s, then x, then the mma.
+  auto load_weights = [&](uint4 (&wa)[U], uint4 (&wb)[U], int s) {
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
@@ -137,24 +136,10 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       wb[j] = load16_stream_l2_256(w1 + k, in && ok1);
     }
   };
-
-  if (prefetch_weight) {
-    load_weights(s_begin);  // before the wait: the weight does not depend on the kernel ahead
-  } else if (static_cast<int>(blockIdx.x) < prefetch_blocks && lane < kTileRows &&
-             s_begin < s_end && row_ok(lane)) {
-    const int k0 = s_begin * kStepK, k1 = min(min(s_begin + U, s_end) * kStepK, K);
-    prefetch_l2_bulk(weight + static_cast<int64_t>(tile_row(lane)) * ldw + k0,
-                     static_cast<uint32_t>(k1 - k0) * 2u);
-  }
-  pdl_begin();
-  if (!prefetch_weight) load_weights(s_begin);
-
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
-  // Each trip uses the round of weights loaded before it and issues the next round's loads after
-  // its mma (the same point in time as the start of the next trip).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = s_begin; s < s_end; s += U) {
+  auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
     uint4 xv[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -168,7 +153,27 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       mma_bf16_16816(acc_lo, wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j].x, xv[j].y);
       mma_bf16_16816(acc_hi, wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j].z, xv[j].w);
     }
-    if (s + U < s_end) load_weights(s + U);
+  };
+
+  // The first trip is peeled: with prefetch_weight its weights are loaded before the wait.
+  uint4 wa0[U], wb0[U];
+  if (prefetch_weight) {
+    load_weights(wa0, wb0, s_begin);  // the weight does not depend on the kernel ahead
+  } else if (static_cast<int>(blockIdx.x) < prefetch_blocks && lane < kTileRows &&
+             s_begin < s_end && row_ok(lane)) {
+    const int k0 = s_begin * kStepK, k1 = min(min(s_begin + U, s_end) * kStepK, K);
+    prefetch_l2_bulk(weight + static_cast<int64_t>(tile_row(lane)) * ldw + k0,
+                     static_cast<uint32_t>(k1 - k0) * 2u);
+  }
+  pdl_begin();
+  if (s_begin < s_end) {
+    if (!prefetch_weight) load_weights(wa0, wb0, s_begin);
+    x_and_mma(wa0, wb0, s_begin);
+  }
+  for (int s = s_begin + U; s < s_end; s += U) {
+    uint4 wa[U], wb[U];
+    load_weights(wa, wb, s);
+    x_and_mma(wa, wb, s);
   }
   float r[4];
 #pragma unroll
