@@ -16,7 +16,7 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(decodex, m) {
   // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, M <= 8, K % 8 == 0.
   // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
-  // on the stream does not write `weight`, so the GEMV may start copying it while that kernel runs
+  // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
   // (programmatic dependent launch); the decode graph sets it, since its weights never change.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and

@@ -34,8 +34,9 @@
 // Lengths are read on the device. The grid (the number of splits) depends only on the cache
 // capacity and the SM count, so one CUDA graph stays valid while the lengths grow; the live length
 // is then cut into equal ranges of whole 16-token tiles (at least 128 tokens) over those splits, so
-// a short sequence in a long cache still spreads over the SMs. A split past lengths[b] reads nothing and writes an
-// empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths are clamped to [0, S].
+// a short sequence in a long cache still spreads over the SMs. A split past lengths[b] reads
+// nothing and writes an empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths
+// are clamped to [0, S].
 // Fragments are 32-bit words, so 16-byte chunks are held as uint4 rather than common.h's bf16x8.
 #include <algorithm>
 #include <cmath>

@@ -36,6 +36,8 @@ is deactivated right after the last step it needs is queued: no replay ever puts
 position >= capacity.
 
 Choices, and why:
+- The GEMVs are launched with prefetch_weight=True: nothing in the graph writes a weight, so each
+  GEMV loads its first weights while the kernel ahead is still running (bench/RESULTS.md, session 3).
 - Row state is changed with fill_ kernels on the runner's stream (the value travels in the launch)
   rather than copies from pinned staging memory: no staging buffer can be overwritten by the host
   before its copy ran, and the change is ordered before the next replay by the stream.

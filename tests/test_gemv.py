@@ -197,7 +197,7 @@ def test_gemv_cuda_graph(M, N, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 776, 8960), (3, 17920, 1536)])
 def test_gemv_prefetch_weight(M, N, K):
-    """prefetch_weight=True (weight copies start before the PDL wait) in one CUDA graph of GEMVs,
+    """prefetch_weight=True (first weights loaded before the PDL wait) in one CUDA graph of GEMVs,
     each reading the output of the one before as x: bitwise the same as plain calls."""
     xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16)]
     ws = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
