@@ -199,27 +199,25 @@ def test_gemv_cuda_graph(M, N, K):
 def test_gemv_prefetch_weight(M, N, K):
     """prefetch_weight=True (first weights loaded before the PDL wait) in one CUDA graph of GEMVs,
     each reading the output of the one before as x: bitwise the same as plain calls."""
-    xs = [torch.randn(M, K, device="cuda").to(torch.bfloat16)]
-    ws = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
-    sq = [(torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16) for _ in range(3)]
-    mids = [_poisoned(M, N) for _ in range(3)]
-    outs = [torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    shapes = [(N, K), (K, N)] * 3  # x -> [M, N] -> [M, K] -> [M, N] ...
+    ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for n, k in shapes]
+    outs = [_poisoned(M, n) for n, _ in shapes]
 
-    def chain(prefetch):
-        x = xs[0]
-        for i in range(3):  # x -> mid (N) -> out (K) -> next x: every GEMV depends on the one before
-            torch.ops.decodex.gemv(x, ws[i], None, mids[i], prefetch_weight=prefetch)
-            torch.ops.decodex.gemv(mids[i], sq[i], None, outs[i], prefetch_weight=prefetch)
-            x = outs[i]
-        return [t.clone() for t in mids + outs]
+    def chain(prefetch):  # each GEMV reads the output of the one before
+        inp = x
+        for w, out in zip(ws, outs):
+            torch.ops.decodex.gemv(inp, w, None, out, prefetch_weight=prefetch)
+            inp = out
 
-    want = chain(False)
+    chain(False)
+    want = [t.clone() for t in outs]
     graph = capture_graph(lambda: chain(True))
-    for t in mids + outs:
+    for t in outs:
         t.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    for got, exp in zip(mids + outs, want):
+    for got, exp in zip(outs, want):
         assert torch.equal(got, exp)
 
 

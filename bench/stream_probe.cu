@@ -1,0 +1,232 @@
+// A probe, not part of decodex: which way of streaming a large read-only buffer through an SM's
+// shared memory keeps the H200's HBM busy. It is what bench/RESULTS.md (session 3, "Tried and
+// dropped") quotes for the copy engine's rate per block. Each block streams its share of a 2 GiB
+// buffer through a ring of S stages; four consumer warps read every stage from shared memory.
+//   method 0: one producer warp, one cp.async.bulk per "row" piece of a stage, on an mbarrier
+//   method 1: one producer warp, 16-byte cp.async, cp.async.mbarrier.arrive.noinc
+//   pf 1: L2 prefetch of the first S stages before the copies; pf 2: of stages S .. 2S-1
+//   reference: plain 16-byte register loads (reg_kernel), 8 in flight per thread
+// Build and run on the GPU machine, from the repository root:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Icsrc -o stream_probe bench/stream_probe.cu
+//   ./stream_probe
+// Single launches timed with CUDA events (best of 5), not graph replay: compare rows with each
+// other, not with the graph-replayed op benchmarks.
+#include <cstdio>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "ptx.cuh"
+
+namespace probe {
+using namespace decodex;
+
+// ---- sm_90 PTX the probe needs beyond csrc/ptx.cuh (decodex's kernels do not use these) ----
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+
+// Makes barrier inits visible to the copy engine.
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// One arrival plus `bytes` more expected from bulk copies in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// An L2 policy for data read exactly once (weights): evicted first, so it does not push out what
+// is reused (activations, the next kernel's prefetched weights).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global memory into this block's
+// shared memory, completing on `bar`'s transaction count.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
+                                                    uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;\n" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ uint4 lds16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+constexpr int kCons = 4;
+// method 0: TMA 1D, stage = rows x rowbytes pieces taken from rows `stride` bytes apart
+// method 1: cp.async 16B by the producer warp, cp.async.mbarrier.arrive.noinc
+__global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __restrict__ buf, size_t per_block,
+    int rows, int rowbytes, size_t stride, int S, int method, int pf, float* sink) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint64_t full[16], empty[16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int stage_bytes = rows * rowbytes;
+  // block's region: per_block bytes of "stages" laid out as rows with stride
+  const unsigned char* base = buf + (size_t)blockIdx.x * per_block;
+  const int nst = (int)(per_block / stage_bytes);  // stages (tile-chunk) this block streams
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) { mbar_init(&full[i], method == 0 ? 1 : 32); mbar_init(&empty[i], kCons); }
+    fence_mbar_init();
+  }
+  if (warp == kCons && pf) {
+    const int cpr = (int)(stride / rowbytes);
+    for (int q = pf == 1 ? 0 : S; q < (pf == 1 ? S : 2 * S) && q < nst; ++q) {
+      const unsigned char* src0 = base + (size_t)(q / cpr) * rows * stride + (size_t)(q % cpr) * rowbytes;
+      for (int r = lane; r < rows; r += 32) prefetch_l2_bulk(src0 + r * stride, rowbytes);
+    }
+  }
+  __syncthreads();
+  if (warp == kCons) {
+    const uint64_t pol = l2_evict_first();
+    for (int q = 0; q < nst; ++q) {
+      const int slot = q % S, round = q / S;
+      if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
+      // stage q: rows r of group (q / pieces_per_row ...) simple: stage q covers rows [0,rows) at column offset
+      // piece p: address = base + (q / cpr) * rows*stride + r*stride + (q % cpr)*rowbytes, where cpr = stride/rowbytes
+      const int cpr = (int)(stride / rowbytes);
+      const unsigned char* src0 = base + (size_t)(q / cpr) * rows * stride + (size_t)(q % cpr) * rowbytes;
+      unsigned char* dst0 = smem + (size_t)slot * stage_bytes;
+      if (method == 0) {
+        if (lane == 0) mbar_arrive_expect_tx(&full[slot], stage_bytes);
+        __syncwarp();
+        for (int r = lane; r < rows; r += 32)
+          bulk_copy_to_shared(dst0 + r * rowbytes, src0 + r * stride, rowbytes, &full[slot], pol);
+      } else {
+        const int chunks = stage_bytes / 16, per_row = rowbytes / 16;
+        for (int i = lane; i < chunks; i += 32) {
+          const int r = i / per_row, c = i % per_row;
+          const unsigned char* s = src0 + r * stride + c * 16;
+          asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(smem_u32(dst0 + r * rowbytes + c * 16)), "l"(s) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_u32(&full[slot])) : "memory");
+      }
+    }
+    return;
+  }
+  float acc = 0.f;
+  for (int q = 0; q < nst; ++q) {
+    const int slot = q % S;
+    mbar_wait(&full[slot], (q / S) & 1);
+    const uint32_t a = smem_u32(smem + (size_t)slot * stage_bytes);
+    for (int off = (warp * 32 + lane) * 16; off < stage_bytes; off += kCons * 32 * 16) {
+      uint4 v = lds16(a + off);
+      acc += __int_as_float(v.x) + __int_as_float(v.w);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (acc == 12345.f) sink[0] = acc;
+}
+
+// method 2: registers: each warp streams its share with U 16B loads per lane in flight
+template <int U>
+__global__ void __launch_bounds__(256) reg_kernel(const uint4* __restrict__ buf, size_t n16, float* sink) {
+  const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
+  float acc = 0.f;
+  for (size_t i = tid; i < n16; i += nth * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) v[j] = load16_stream_l2_256(buf + i + j * nth, i + j * nth < n16);
+#pragma unroll
+    for (int j = 0; j < U; ++j) acc += __int_as_float(v[j].x) + __int_as_float(v[j].w);
+  }
+  if (acc == 12345.f) sink[0] = acc;
+}
+
+}  // namespace probe
+
+int main() {
+  using namespace probe;
+  const size_t total = (size_t)2 << 30;  // 2 GiB
+  unsigned char* buf; float* sink;
+  cudaMalloc(&buf, total); cudaMalloc(&sink, 4); cudaMemset(buf, 1, total);
+  cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 << 10);
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  auto timeit = [&](auto launch) {
+    launch(); cudaDeviceSynchronize();
+    float best = 1e9;
+    for (int r = 0; r < 5; ++r) { cudaEventRecord(e0); launch(); cudaEventRecord(e1); cudaEventSynchronize(e1);
+      float ms; cudaEventElapsedTime(&ms, e0, e1); best = ms < best ? ms : best; }
+    return best;
+  };
+  printf("regs: ");
+  for (int bps : {2, 4, 8}) {
+    float ms = timeit([&] { reg_kernel<8><<<sms * bps, 256>>>((const uint4*)buf, total / 16, sink); });
+    printf(" U8 %d blk/sm %.0f GB/s |", bps, total / ms / 1e6);
+  }
+  printf("\n");
+  struct Case { int method, rows, rowbytes; size_t stride; int S, bps; int pf = 0; size_t limit = 0; };
+  Case cases[] = {
+    // whole buffer: the rate per block of many small copies against fewer large ones
+    {0, 16, 1024, 3072, 6, 1}, {0, 16, 1024, 3072, 6, 2}, {0, 16, 1024, 3072, 12, 1},
+    {0, 16, 1024, 1024, 6, 1},
+    {0, 1, 16384, 16384, 6, 1}, {0, 1, 16384, 16384, 6, 2}, {0, 1, 16384, 16384, 12, 1},
+    {0, 2, 8192, 8192, 6, 1}, {0, 4, 4096, 4096, 6, 1},
+    {0, 16, 3072, 3072, 2, 1}, {0, 16, 3072, 3072, 4, 1}, {0, 16, 3072, 3072, 2, 2},
+    {0, 1, 32768, 32768, 3, 2}, {0, 1, 32768, 32768, 6, 1},
+    {1, 16, 1024, 3072, 6, 1}, {1, 16, 1024, 3072, 6, 2}, {1, 16, 1024, 3072, 12, 1},
+    {1, 1, 16384, 16384, 6, 1},
+    // L2 prefetch before the copies, whole buffer and short shares per block
+    {0, 16, 3072, 3072, 2, 1, 1}, {0, 16, 3072, 3072, 2, 1, 2},
+    {0, 1, 16384, 16384, 6, 1, 0, 256 << 10}, {0, 1, 16384, 16384, 6, 1, 1, 256 << 10},
+    {0, 1, 16384, 16384, 3, 1, 2, 256 << 10},
+    {0, 16, 3072, 3072, 2, 1, 0, 192 << 10}, {0, 16, 3072, 3072, 2, 1, 1, 192 << 10},
+    {0, 16, 3072, 3072, 2, 1, 2, 192 << 10},
+    {0, 1, 32768, 32768, 3, 2, 0, 128 << 10}, {0, 1, 32768, 32768, 3, 2, 1, 128 << 10},
+    {0, 1, 32768, 32768, 3, 2, 0, 32 << 10}, {0, 1, 32768, 32768, 3, 2, 1, 32 << 10},
+  };
+  for (const Case& c : cases) {
+    const int blocks = sms * c.bps;
+    const size_t stage = (size_t)c.rows * c.rowbytes;
+    // per block: whole groups of rows*stride bytes
+    const size_t group = (size_t)c.rows * c.stride;
+    const size_t per_block = (c.limit ? c.limit : total / blocks) / group * group;
+    const size_t smem = (size_t)c.S * stage;
+    float ms = timeit([&] { ring_kernel<<<blocks, 160, smem>>>(buf, per_block, c.rows, c.rowbytes, c.stride, c.S, c.method, c.pf, sink); });
+    cudaError_t err = cudaGetLastError();
+    printf("%s rows %2d x %5d B S %2d blk/sm %d pf %d, %7zu B/block: %.0f GB/s, %.2f us %s\n", c.method ? "cp.async" : "tma1d   ",
+           c.rows, c.rowbytes, c.S, c.bps, c.pf, per_block, per_block * blocks / ms / 1e6, ms * 1e3, err ? cudaGetErrorString(err) : "");
+  }
+  return 0;
+}
