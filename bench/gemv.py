@@ -5,7 +5,9 @@ MAX_STACK_BYTES), every call captured in one CUDA graph; both sides time the sam
 run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the same run.
 "decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call loads its
 first weights while the call before it runs), as the decode graph does; GB/s, % of bw and the
-speedup over cuBLAS are of the prefetch_weight calls.
+speedup over cuBLAS are of the prefetch_weight calls. Two smaller tables follow: the norm prologue
+(norm_weight: rms_norm inside the GEMV) against an rms_norm kernel then the GEMV, and accumulate
+(out += product) against the plain GEMV, all with prefetch_weight.
 
     python -m bench.gemv                       # the table
     python -m bench.gemv --sweep [--only 7B]   # tuning: every kernel configuration per shape
@@ -62,6 +64,61 @@ def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False) -
     calls = [lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=prefetch_weight)
              for i in range(len(weights))]
     return time_graph(calls, reps=reps)
+
+
+def _time_norm(weights, M: int, fused: bool) -> float:
+    """Per weight copy: rms_norm then gemv (fused=False), or gemv with norm_weight (True)."""
+    K = weights[0].shape[1]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
+    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    hs = [torch.empty_like(x) for x in xs]
+    outs = [torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    ops = torch.ops.decodex
+
+    def call(i):
+        if fused:
+            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True, norm_weight=nw, norm_eps=1e-6)
+        else:
+            ops.rms_norm(xs[i], nw, 1e-6, hs[i])
+            ops.gemv(hs[i], weights[i], None, outs[i], prefetch_weight=True)
+    return time_graph([lambda i=i: call(i) for i in range(len(weights))])
+
+
+def _time_accumulate(weights, M: int) -> float:
+    K = weights[0].shape[1]
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
+    outs = [torch.zeros(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    return time_graph([lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True,
+                                                          accumulate=True) for i in range(len(weights))])
+
+
+NORM_SHAPES = ("qkv", "gate|up", "lm_head")  # the products the decode step could feed normed
+ACCUMULATE_SHAPES = ("o", "down")  # the products it adds into the residual
+NORM_TITLE = "gemv norm prologue: rms_norm + gemv vs gemv(norm_weight), prefetch_weight, L2-cold, median"
+NORM_HEADERS = ["shape", "rms_norm + gemv us", "norm_weight us", "saved us"]
+ACC_TITLE = "gemv accumulate: plain vs accumulate=True (out += product), prefetch_weight, L2-cold, median"
+ACC_HEADERS = ["shape", "gemv us", "accumulate us"]
+
+
+def fused_rows() -> tuple[list[list], list[list]]:
+    """The norm-prologue and accumulate tables."""
+    import decodex  # noqa: F401
+
+    norm, acc = [], []
+    for model, name, N, K in SHAPES:
+        if name not in NORM_SHAPES + ACCUMULATE_SHAPES:
+            continue
+        weights = _stack(N, K)
+        for M in (1, 8):
+            label = f"{model} {name} {N}x{K} M={M}"
+            if name in NORM_SHAPES:
+                two, one = _time_norm(weights, M, False), _time_norm(weights, M, True)
+                norm.append([label, two, one, two - one])
+            else:
+                acc.append([label, _time_ours(weights, M, prefetch_weight=True), _time_accumulate(weights, M)])
+        del weights
+        torch.cuda.empty_cache()
+    return norm, acc
 
 
 def _time_cublas(weights, M: int) -> float:
@@ -142,6 +199,9 @@ def main(argv=None) -> None:
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
     print_table(TITLE, HEADERS, rows(bw))
+    norm, acc = fused_rows()
+    print_table(NORM_TITLE, NORM_HEADERS, norm)
+    print_table(ACC_TITLE, ACC_HEADERS, acc)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,16 @@ TORCH_LIBRARY(decodex, m) {
   // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
   // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
   // (programmatic dependent launch); the decode graph sets it, since its weights never change.
-  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False) -> ()");
+  // norm_weight [K] (all three GEMV ops): x's rows are first RMS-normalised with it and norm_eps,
+  // inside the kernel: the product is of rms_norm(x, norm_weight, norm_eps) (M * (K + 32) * 2 bytes
+  // must fit in shared memory). accumulate (gemv): out += the product (bias included), the product
+  // rounded to bf16 first. x must not overlap out.
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
+        "Tensor? norm_weight=None, float norm_eps=0., bool accumulate=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
-  m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False) -> ()");
+  m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "
+        "Tensor? norm_weight=None, float norm_eps=0.) -> ()");
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.
@@ -32,12 +38,18 @@ TORCH_LIBRARY(decodex, m) {
   // out[M,(H+2Hkv)*D] = x @ weight^T (+ bias) for the merged q|k|v weight, then rope_append on out's
   // q|k|v rows (q, k rotated, k and v written to the caches [M,Hkv,S,D] at positions[M]): one kernel,
   // equal to gemv + rope_append bit for bit; M <= 8.
-  m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False) -> ()");
+  m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, "
+        "Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False, "
+        "Tensor? norm_weight=None, float norm_eps=0.) -> ()");
   // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.
   // workspace: fp32 [B, H, splits, D + 2], splits >= decode_attention_splits(B, Hkv, S).
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale, Tensor(a!) workspace, Tensor(b!) out) -> ()");
+  // prefetch_cache: the caller promises that the kernel just before this one on the stream writes
+  // neither `lengths` nor any cache row but row lengths[b] - 1 of each sequence (the decode step's
+  // append), so the kernel may start reading the cache while that kernel runs.
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale, "
+        "Tensor(a!) workspace, Tensor(b!) out, bool prefetch_cache=False) -> ()");
   // How many KV splits decode_attention uses for this batch, KV heads, cache capacity and SM count
   // (a pure function, so Python can size the workspace and CPU tests can check it).
   m.def("decode_attention_splits(int batch, int num_kv_heads, int capacity, int sm_count) -> int",

@@ -21,7 +21,9 @@
 // of a block are merged through shared memory into one partial (o, m, l) per (b, head, split) in
 // the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. That kernel
 // is launched with programmatic dependent launch so its launch overlaps the first kernel's tail (it
-// executes griddepcontrol.wait before it reads anything).
+// executes griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph,
+// whose kernel ahead is the append of row lengths[b] - 1) the split kernel also issues its first
+// two tiles of K/V loads before its own wait, so the first DRAM round trip overlaps that kernel.
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
 // mostly from L2); real models have 1-8.
 //
@@ -180,8 +182,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     const int* __restrict__ lengths,            // [B]
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
-    int S, int splits, int splits_cap, float scale_log2) {
-  pdl_begin();  // also lets the combine kernel launch now; it waits for this grid to finish
+    int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache) {
+  // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
+  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither).
+  if (!prefetch_cache) pdl_wait();
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
@@ -197,6 +201,25 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head
   float* ws = workspace + ((int64_t)b * H + head0) * head_stride_ws + (int64_t)split * (D + 2);
 
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
+  const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
+
+  // The warp's first two tiles go in flight at once (two register buffers, alternately consumed
+  // and refilled below). With prefetch_cache they are loaded before the wait, all but row len - 1,
+  // which the kernel ahead may be writing (the decode step's append); a tile holding it is loaded
+  // again after the wait.
+  constexpr int kStep = kWarps * kTile;
+  int base = start + warp * kTile;
+  KVTile<D> buf0, buf1;
+  if (prefetch_cache && start < end) {
+    const int old_end = min(end, len - 1);
+    load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, old_end, g, t);
+  }
+  pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
+
   if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
     if (threadIdx.x < heads) {
       float* row = ws + threadIdx.x * head_stride_ws;
@@ -206,8 +229,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     return;
   }
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
+  auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
+  if (!prefetch_cache || holds_last(base)) load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
+  if (!prefetch_cache || holds_last(base + kStep)) {
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
+  }
 
   // Q^T as the B operand, head dim permuted like K's: lane holds head g's dims [32c + 8t, +8).
   uint4 qf[D / 32];
@@ -218,9 +244,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     for (int c = 0; c < D / 32; ++c) qf[c] = load16_stream(q_row + 32 * c + 8 * t, live);
   }
 
-  const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
-  const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
-
   // O^T accumulators: m-block (h, p) row g -> dim 64h + 8g + 2p, row g + 8 -> that dim + 1;
   // columns 2t, 2t+1 -> heads 2t, 2t+1. So o[h*4+p][0|2] is head 2t, o[h*4+p][1|3] head 2t+1.
   float o[D / 16][4];
@@ -229,20 +252,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2t, 2t+1 (log2 units)
   float l0 = 0.f, l1 = 0.f;              // this lane's share of their running sums
 
-  // Two register buffers, alternately filled and consumed (written out twice rather than copied,
-  // so the loads of one tile stay in flight while the other is computed).
-  constexpr int kStep = kWarps * kTile;
-  int base = start + warp * kTile;
-  KVTile<D> buf0, buf1;
-  load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
+  // Consume one buffer while the other's loads are in flight, then refill it two tiles ahead
+  // (written out twice rather than copied, so the buffers stay in registers).
   while (base < end) {
-    load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
     attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
     base += kStep;
     if (base >= end) break;
     load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
     attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
     base += kStep;
+    if (base >= end) break;
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
   }
 
   // The lane's share of l -> the whole warp's (m is already the same on the 8 lanes of a t).
@@ -384,7 +404,7 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
-                      at::Tensor& out) {
+                      at::Tensor& out, bool prefetch_cache) {
   DX_CHECK_CUDA(q);
   DX_CHECK_CUDA(k_cache);
   DX_CHECK_CUDA(v_cache);
@@ -476,7 +496,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
         workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
         static_cast<int>(H), group, head_blocks, static_cast<int>(S), static_cast<int>(splits),
-        static_cast<int>(workspace.size(2)), scale_log2);
+        static_cast<int>(workspace.size(2)), scale_log2, prefetch_cache);
     DX_CHECK_LAUNCHED(err, "decode_attention (split)");
     DX_CHECK_LAUNCH("decode_attention (split)");
 

@@ -21,18 +21,24 @@ inline c10::TypedOperatorHandle<Sig> op(const char* name) {
 
 using T = at::Tensor;
 
-// prefetch_weight: see the schemas in csrc/bindings.cpp (the weight is not written by the kernel
-// just before this one on the stream).
-inline void gemv(const T& x, const T& weight, const std::optional<T>& bias, T& out,
-                 bool prefetch_weight = false) {
-  static auto h =
-      detail::op<void(const T&, const T&, const std::optional<T>&, T&, bool)>("decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight);
+using OptT = std::optional<T>;
+
+// prefetch_weight, norm_weight / norm_eps, accumulate: see the schemas in csrc/bindings.cpp (the
+// weight is not written by the kernel just before this one on the stream; x is RMS-normalised
+// first; out += the product).
+inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
+                 bool prefetch_weight = false, const OptT& norm_weight = std::nullopt,
+                 double norm_eps = 0.0, bool accumulate = false) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, const OptT&, double,
+                                  bool)>("decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, norm_weight, norm_eps, accumulate);
 }
 
-inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false) {
-  static auto h = detail::op<void(const T&, const T&, T&, bool)>("decodex::gemv_silu_mul");
-  h.call(x, weight, out, prefetch_weight);
+inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,
+                          const OptT& norm_weight = std::nullopt, double norm_eps = 0.0) {
+  static auto h = detail::op<void(const T&, const T&, T&, bool, const OptT&, double)>(
+      "decodex::gemv_silu_mul");
+  h.call(x, weight, out, prefetch_weight, norm_weight, norm_eps);
 }
 
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
@@ -51,12 +57,14 @@ inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& posi
   h.call(q, k, v, inv_freq, positions, k_cache, v_cache);
 }
 
-inline void gemv_rope_append(const T& x, const T& weight, const std::optional<T>& bias,
-                             const T& inv_freq, const T& positions, T& out, T& k_cache, T& v_cache,
-                             bool prefetch_weight = false) {
-  static auto h = detail::op<void(const T&, const T&, const std::optional<T>&, const T&, const T&,
-                                  T&, T&, T&, bool)>("decodex::gemv_rope_append");
-  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight);
+inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, const T& inv_freq,
+                             const T& positions, T& out, T& k_cache, T& v_cache,
+                             bool prefetch_weight = false, const OptT& norm_weight = std::nullopt,
+                             double norm_eps = 0.0) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, const T&, const T&, T&, T&, T&,
+                                  bool, const OptT&, double)>("decodex::gemv_rope_append");
+  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, norm_weight,
+         norm_eps);
 }
 
 inline void silu_mul(const T& gate_up, T& out) {
@@ -64,11 +72,12 @@ inline void silu_mul(const T& gate_up, T& out) {
   h.call(gate_up, out);
 }
 
+// prefetch_cache: see the schema (the kernel just before writes no cache row but lengths[b] - 1).
 inline void decode_attention(const T& q, const T& k_cache, const T& v_cache, const T& lengths,
-                             double scale, T& workspace, T& out) {
-  static auto h = detail::op<void(const T&, const T&, const T&, const T&, double, T&, T&)>(
+                             double scale, T& workspace, T& out, bool prefetch_cache = false) {
+  static auto h = detail::op<void(const T&, const T&, const T&, const T&, double, T&, T&, bool)>(
       "decodex::decode_attention");
-  h.call(q, k_cache, v_cache, lengths, scale, workspace, out);
+  h.call(q, k_cache, v_cache, lengths, scale, workspace, out, prefetch_cache);
 }
 
 inline int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,

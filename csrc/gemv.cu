@@ -28,7 +28,14 @@
 //    registers before the wait instead; only x, which the kernel ahead writes, waits.
 //  * Epilogues (GemvEpilogue, gemv.h) pick which 16 rows form a tile so that what the epilogue
 //    combines (gate and up; a RoPE pair) lands in one lane; each rounds the product to bf16 first,
-//    so a fused op equals gemv followed by the unfused op bit for bit.
+//    so a fused op equals gemv followed by the unfused op bit for bit. With accumulate (kStore),
+//    the lane that owns an output adds the rounded product to it: out += product, as an add after
+//    gemv would round it. The decode graph adds the o and down products into the residual so.
+//  * Norm prologue (norm_weight, kNorm): each block first RMS-normalises the M rows of x into shared
+//    memory (one warp per row sums the squares in a fixed order, so every block gets the same
+//    1/rms bits; then all threads scale the rows by it and the norm weight), and the main loop
+//    reads x from there. That replaces an rms_norm kernel before the GEMV and its launch gap; the
+//    few KB of x every block re-reads come from L2.
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
@@ -50,7 +57,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <cmath>
 #include <map>
+#include <utility>
 
 #include "common.h"
 #include "ptx.cuh"
@@ -64,6 +73,59 @@ constexpr int kTileRows = 16;  // weight rows per warp: the mma's m
 constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
+
+constexpr int kXsPad = 4;      // kNorm: 64 B of padding per xs row, so rows g and g+1 of a
+                               // shared-memory x load fall in different banks
+constexpr int kNormDepth = 8;  // 16 B loads in flight per lane while summing a row's squares
+// Dynamic shared memory the norm prologue may take: the sm_90 per-block limit (227 KB) less the
+// kernel's static shared memory (red, inv_rms: under 5 KB).
+constexpr int64_t kMaxNormSmem = 227 * 1024 - 5 * 1024;
+
+__device__ __forceinline__ bf16x8 as_bf16x8(const uint4& v) {
+  return *reinterpret_cast<const bf16x8*>(&v);
+}
+
+// The norm prologue: xs[m][v] = rms_norm(x[m], norm_w, eps)[8v .. 8v+8) for the M rows, one 16 B
+// vector per entry, row stride xs_ld vectors. Step 1: warp w sums the squares of rows w, w + warps,
+// ... with lane-strided vectors and one shuffle tree: the order depends on K only, so every block
+// (whatever its warps) computes the same 1/rms bits. Step 2: all threads scale; x and the norm
+// weight come from L1 by then (step 1 loaded x through it and prefetched the weight). Ends with a
+// barrier: xs is complete. Call after griddepcontrol.wait (x is the kernel ahead's output).
+template <int M>
+__device__ __forceinline__ void normalise_rows(const __nv_bfloat16* __restrict__ x, int64_t ldx,
+                                               const __nv_bfloat16* __restrict__ norm_w, float eps,
+                                               int K, uint4* xs, int xs_ld) {
+  __shared__ float inv_rms[M];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int nvec = K / 8;
+  for (int l = threadIdx.x; l * 64 < K; l += blockDim.x) prefetch_l1(norm_w + 64 * l);  // 128 B lines
+  for (int m = warp; m < M; m += warps) {
+    const __nv_bfloat16* xr = x + m * ldx;
+    float sumsq = 0.f;
+    for (int v0 = 0; v0 < nvec; v0 += 32 * kNormDepth) {
+      uint4 buf[kNormDepth];
+#pragma unroll
+      for (int j = 0; j < kNormDepth; ++j) {
+        const int v = v0 + 32 * j + lane;
+        buf[j] = load16_cached(xr + 8 * v, v < nvec);  // absent vectors are zeros: add nothing
+      }
+#pragma unroll
+      for (int j = 0; j < kNormDepth; ++j) sumsq = add_squares8(as_bf16x8(buf[j]), sumsq);
+    }
+    sumsq = warp_reduce(sumsq, Sum{});
+    if (lane == 0) inv_rms[m] = rms_inv(sumsq, K, eps);
+  }
+  __syncthreads();
+#pragma unroll 4
+  for (int i = threadIdx.x; i < M * nvec; i += blockDim.x) {
+    const int m = i / nvec, v = i - m * nvec;
+    const bf16x8 xv = as_bf16x8(load16_cached(x + m * ldx + 8 * v, true));
+    const bf16x8 wv = as_bf16x8(load16_cached(norm_w + 8 * v, true));
+    const bf16x8 y = rms_scale8(xv, wv, inv_rms[m]);
+    xs[m * xs_ld + v] = *reinterpret_cast<const uint4*>(&y);
+  }
+  __syncthreads();
+}
 
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
@@ -87,18 +149,21 @@ constexpr int kMaxCluster = 8; // portable cluster size limit
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
-template <int M, int U, int kEpi>
+template <int M, int U, int kEpi, bool kNorm>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
             const __nv_bfloat16* __restrict__ weight,  // [N, ldw] ([2N, ldw] for kSiluMul)
             const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr (nullptr for kSiluMul)
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
-            int prefetch_blocks, bool prefetch_weight, const RopeAppendArgs rope) {
+            int prefetch_blocks, bool prefetch_weight,
+            const __nv_bfloat16* __restrict__ norm_w,  // [K] (kNorm)
+            float norm_eps, bool accumulate, const RopeAppendArgs rope) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   __shared__ float red[kMaxWarps][4][32];  // per-warp partial sums, [warp][accumulator][lane]
+  extern __shared__ uint4 xs[];            // kNorm: [M][xs_ld] the normalised rows of x
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -142,13 +207,18 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
+  const int xs_ld = K / 8 + kXsPad;  // kNorm: row stride of xs in 16 B vectors
   auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
     uint4 xv[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
       const bool in = (s + j < s_end) && (k < K);
-      xv[j] = load16_cached(xg + k, in && xok);
+      if constexpr (kNorm) {
+        xv[j] = in && xok ? xs[g * xs_ld + k / 8] : make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        xv[j] = load16_cached(xg + k, in && xok);
+      }
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -169,6 +239,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
                      static_cast<uint32_t>(k1 - k0) * 2u);
   }
   pdl_begin();
+  if constexpr (kNorm) normalise_rows<M>(x, ldx, norm_w, norm_eps, K, xs, xs_ld);
   if (s_begin < s_end) {
     if (!prefetch_weight) load_weights(wa0, wb0, s_begin);
     x_and_mma(wa0, wb0, s_begin);
@@ -276,7 +347,12 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     for (int i = 0; i < 4; ++i) {
       const int row = i >= 2 ? row1 : row0;
       const int n = 2 * t + (i & 1);
-      if (n < M && row < N) out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(stored(i, row));
+      if (n < M && row < N) {
+        __nv_bfloat16* o = out + static_cast<int64_t>(n) * ldo + row;
+        float v = stored(i, row);
+        if (accumulate) v = __fadd_rn(__bfloat162float(*o), v);  // out += the rounded product
+        *o = __float2bfloat16_rn(v);
+      }
     }
   }
 #else
@@ -293,34 +369,56 @@ struct GemvConfig {
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, const RopeAppendArgs);
+                            int, bool, const __nv_bfloat16*, float, bool, const RopeAppendArgs);
 
-template <int M, int kEpi>
+template <int M, int kEpi, bool kNorm>
 GemvKernel kernel_for_m(int u) {
-  return u == 8 ? gemv_kernel<M, 8, kEpi> : gemv_kernel<M, 4, kEpi>;
+  return u == 8 ? gemv_kernel<M, 8, kEpi, kNorm> : gemv_kernel<M, 4, kEpi, kNorm>;
 }
 
-template <int kEpi>
+template <int kEpi, bool kNorm>
 GemvKernel kernel_for(int m, int u) {
   switch (m) {
-    case 1: return kernel_for_m<1, kEpi>(u);
-    case 2: return kernel_for_m<2, kEpi>(u);
-    case 3: return kernel_for_m<3, kEpi>(u);
-    case 4: return kernel_for_m<4, kEpi>(u);
-    case 5: return kernel_for_m<5, kEpi>(u);
-    case 6: return kernel_for_m<6, kEpi>(u);
-    case 7: return kernel_for_m<7, kEpi>(u);
-    default: return kernel_for_m<8, kEpi>(u);
+    case 1: return kernel_for_m<1, kEpi, kNorm>(u);
+    case 2: return kernel_for_m<2, kEpi, kNorm>(u);
+    case 3: return kernel_for_m<3, kEpi, kNorm>(u);
+    case 4: return kernel_for_m<4, kEpi, kNorm>(u);
+    case 5: return kernel_for_m<5, kEpi, kNorm>(u);
+    case 6: return kernel_for_m<6, kEpi, kNorm>(u);
+    case 7: return kernel_for_m<7, kEpi, kNorm>(u);
+    default: return kernel_for_m<8, kEpi, kNorm>(u);
   }
 }
 
+template <bool kNorm>
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
   switch (epi) {
-    case GemvEpilogue::kSiluMul: return kernel_for<static_cast<int>(GemvEpilogue::kSiluMul)>(m, u);
+    case GemvEpilogue::kSiluMul:
+      return kernel_for<static_cast<int>(GemvEpilogue::kSiluMul), kNorm>(m, u);
     case GemvEpilogue::kRopeAppend:
-      return kernel_for<static_cast<int>(GemvEpilogue::kRopeAppend)>(m, u);
-    default: return kernel_for<static_cast<int>(GemvEpilogue::kStore)>(m, u);
+      return kernel_for<static_cast<int>(GemvEpilogue::kRopeAppend), kNorm>(m, u);
+    default: return kernel_for<static_cast<int>(GemvEpilogue::kStore), kNorm>(m, u);
   }
+}
+
+GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool norm) {
+  return norm ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
+}
+
+// The norm prologue's shared memory: M rows of K bf16 plus the padding.
+int64_t norm_smem_bytes(int64_t M, int64_t K) { return M * (K / 8 + kXsPad) * 16; }
+
+// Lets `kernel` use up to `bytes` of dynamic shared memory (above the default 48 KB); once per
+// kernel and size class, cached.
+void allow_dynamic_smem(GemvKernel kernel, int64_t bytes) {
+  thread_local std::map<GemvKernel, int64_t> allowed;
+  int64_t& have = allowed[kernel];
+  if (bytes <= have || bytes <= 48 * 1024) return;
+  const cudaError_t err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  DX_CHECK(err == cudaSuccess, "decodex::gemv: cannot give the norm prologue ", bytes,
+           " bytes of shared memory: ", cudaGetErrorString(err));
+  have = bytes;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -333,7 +431,7 @@ int blocks_per_sm(int m, int u, int warps) {
   int n = slot.load(std::memory_order_relaxed);
   if (n == 0) {
     cudaError_t err =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u, GemvEpilogue::kStore),
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u, GemvEpilogue::kStore, false),
                                                         warps * 32, 0);
     DX_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
                 cudaGetErrorString(err));
@@ -502,9 +600,56 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
   return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
 }
 
+// Whether the memory spans of two tensors intersect (bytes from the first to past the last element).
+bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
+                         bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
+                         double norm_eps, bool accumulate) {
+  DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",
+           "kernel reads x while it writes out)");
+  GemvOptions o;
+  o.prefetch_weight = prefetch_weight;
+  o.accumulate = accumulate;
+  if (norm_weight.has_value()) {
+    const at::Tensor& w = *norm_weight;  // checked by hand: the messages must say "norm_weight"
+    const int64_t M = x.size(0), K = x.size(1);
+    DX_CHECK(w.is_cuda() && w.device() == x.device(), "norm_weight must be on x's device ",
+             x.device(), ", got ", w.device());
+    DX_CHECK(w.scalar_type() == at::kBFloat16, "norm_weight must have dtype ", at::kBFloat16,
+             ", got ", w.scalar_type());
+    DX_CHECK(w.dim() == 1 && w.size(0) == K, "norm_weight must have shape [K] = [", K, "], got ",
+             w.sizes());
+    DX_CHECK(K <= 1 || w.stride(0) == 1, "norm_weight must be contiguous, got strides ",
+             w.strides());
+    DX_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+             "norm_weight must be 16-byte aligned (its storage offset breaks vector loads)");
+    DX_CHECK(std::isfinite(norm_eps) && norm_eps >= 0.0, "norm_eps must be finite and >= 0, got ",
+             norm_eps);
+    const int64_t smem = norm_smem_bytes(M, K);
+    DX_CHECK(smem <= kMaxNormSmem, "decodex::", op, " with norm_weight keeps the M normalised rows ",
+             "of x in shared memory: M = ", M, " rows of K = ", K, " need ", smem, " bytes, more ",
+             "than the ", kMaxNormSmem, " available; use rms_norm before the GEMV instead");
+    o.norm_weight = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+    o.norm_eps = static_cast<float>(norm_eps);
+  }
+  return o;
+}
+
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias_ptr, at::Tensor& out, GemvEpilogue epilogue,
-                 bool prefetch_weight, const RopeAppendArgs& rope) {
+                 const GemvOptions& options, const RopeAppendArgs& rope) {
   const bool silu = epilogue == GemvEpilogue::kSiluMul;
   const int64_t M = x.size(0), K = x.size(1), rows = weight.size(0);
   const int64_t N = silu ? rows / 2 : rows;  // outputs per row of x
@@ -533,7 +678,11 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
   launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
-  launch.dynamicSmemBytes = 0;
+  const bool norm = options.norm_weight != nullptr;
+  const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, norm);
+  const int64_t smem = norm ? norm_smem_bytes(M, K) : 0;
+  if (norm) allow_dynamic_smem(kernel, smem);
+  launch.dynamicSmemBytes = static_cast<size_t>(smem);
   launch.stream = current_stream();
   // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
   // pdl_begin in common.h).
@@ -558,14 +707,14 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   const int64_t ldw = rows == 1 ? 0 : weight.stride(0);
   const int64_t ldo = M == 1 ? 0 : out.stride(0);
   const cudaError_t err = cudaLaunchKernelEx(
-      &launch, kernel_for(static_cast<int>(M), cf.u, epilogue),
+      &launch, kernel,
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias_ptr,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ldx, ldw, ldo, static_cast<int>(N),
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
-      prefetch_weight, rope);
+      options.prefetch_weight, options.norm_weight, options.norm_eps, options.accumulate, rope);
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -576,24 +725,30 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight) {
+          at::Tensor& out, bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
+          double norm_eps, bool accumulate) {
   check_gemv_x_weight("gemv", x, weight, out);
   const int64_t M = x.size(0), N = weight.size(0);
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
+  const GemvOptions options =
+      gemv_options("gemv", x, out, prefetch_weight, norm_weight, norm_eps, accumulate);
   if (N == 0) return;
-  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, prefetch_weight);
+  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight) {
+                   bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
+                   double norm_eps) {
   check_gemv_x_weight("gemv_silu_mul", x, weight, out);
   const int64_t M = x.size(0), rows = weight.size(0);
   DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
+  const GemvOptions options =
+      gemv_options("gemv_silu_mul", x, out, prefetch_weight, norm_weight, norm_eps);
   if (rows == 0) return;
-  launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, prefetch_weight);
+  launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
 }
 
 }  // namespace decodex

@@ -1,5 +1,5 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, the L2 bulk prefetch, and the tensor-core mma.
+// their cache hints, the L1 and L2 bulk prefetches, and the tensor-core mma.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -41,6 +41,11 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 #endif
+}
+
+// Asks for the 128 B line holding p in this SM's L1 (no registers, nothing to wait for).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 }
 
 // d[16x8] += a[16x16] * b[16x8]: mma.sync m16n8k16, bf16 operands in the PTX fragment layouts,

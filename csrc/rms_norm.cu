@@ -61,29 +61,16 @@ rms_norm_kernel(const __nv_bfloat16* __restrict__ x,  // [M, K], row stride x_st
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
-    if (i < nvec) {
-      float a[8];
-      bf16x8_to_float(v[j], a);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sumsq = __fmaf_rn(a[e], a[e], sumsq);
-    }
+    if (i < nvec) sumsq = add_squares8(v[j], sumsq);
   }
   sumsq = block_sum(sumsq, scratch);
-  const float inv_rms = rsqrtf(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(K)), eps));
+  const float inv_rms = rms_inv(sumsq, K, eps);
 
   bf16x8* orow = reinterpret_cast<bf16x8*>(out + row * o_stride);
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
-    if (i < nvec) {
-      float a[8], g[8];
-      bf16x8_to_float(v[j], a);
-      bf16x8_to_float(w[j], g);
-      // (x * inv_rms) * weight, each product rounded, as the reference computes it.
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv_rms), g[e]);
-      orow[i] = float_to_bf16x8(a);
-    }
+    if (i < nvec) orow[i] = rms_scale8(v[j], w[j], inv_rms);
   }
 }
 

@@ -2,11 +2,12 @@
 
 One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
 
-    embed -> rms_norm -> per layer [gemv_rope_append (the qkv gemv (+bias) with RoPE and the cache
-    append at the device-side position in its epilogue) -> decode_attention (over the device-side
-    length) -> o gemv -> fused_add_rms_norm -> gemv_silu_mul (the gate|up gemv with SiLU*up in its
-    epilogue) -> down gemv -> fused_add_rms_norm (the next layer's input norm, or the final norm)]
-    -> lm_head gemv -> argmax | sample -> advance_positions
+    embed (into the residual) -> per layer [gemv_rope_append (the qkv gemv (+bias) of the
+    input-normed residual: the RMSNorm in its prologue, RoPE and the cache append at the device-side
+    position in its epilogue) -> decode_attention (over the device-side length) -> o gemv adding
+    into the residual (accumulate) -> gemv_silu_mul (the gate|up gemv of the post-attention-normed
+    residual, SiLU*up in its epilogue) -> down gemv adding into the residual] -> rms_norm (final
+    norm) -> lm_head gemv -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -44,8 +45,13 @@ Choices, and why:
 - Two graphs per size, greedy (argmax) and sampling (sample, whose temperature-0 rows take the
   argmax too): the greedy graph is used whenever every live row is greedy, so plain decoding never
   pays for the sampling kernel's histogram pass. Each is captured only if used.
-- First layer: the embedding is gathered straight into the residual buffer and normed with rms_norm
-  (the eager model adds it to a zero residual: the same values, one kernel less).
+- The residual adds and RMSNorms live in the GEMVs (norm_weight, accumulate): 5 kernels per layer
+  instead of 7, each kernel boundary being a launch gap and a round trip to memory. Where a product
+  runs on cuBLAS (graphs of more than 8 rows), its output waits in `delta` and the next norm is a
+  fused_add_rms_norm kernel, as before. The lm_head GEMV keeps a separate rms_norm: its grid is many
+  waves of blocks, each of which would redo the norm of x.
+- First layer: the embedding is gathered straight into the residual buffer (the eager model adds
+  it to a zero residual: the same values).
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
   capture in the middle of a generation changes nothing.
 
@@ -70,6 +76,7 @@ from decodex import _ext, reference
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
+NORM_IN_GEMV = ("qkv", "gate_up")  # products whose GEMV RMS-normalises its own input
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 
 
@@ -448,8 +455,8 @@ class CudaGraphRunner(HostLoop):
             self.cache = model.new_cache(B, capacity)  # k/v[layer]: [B, Hkv, S, D]
             # Step intermediates.
             self.residual = zeros(B, Hd)  # [B, Hd] the residual stream
-            self.hidden = zeros(B, Hd)  # [B, Hd] normed input of the next matrix product
-            self.delta = zeros(B, Hd)  # [B, Hd] o / down output, added into the residual
+            self.hidden = zeros(B, Hd)  # [B, Hd] normed input of a product without the norm prologue
+            self.delta = zeros(B, Hd)  # [B, Hd] a cuBLAS o / down output, added by the next norm
             self.qkv = zeros(B, (H + 2 * Hkv) * D)  # [B, (H+2Hkv)*D] rows: q | k | v
             self.attn = zeros(B, H * D)  # [B, H*D]
             self.gate_up = zeros(B, 2 * I)  # [B, 2I]
@@ -468,6 +475,7 @@ class CudaGraphRunner(HostLoop):
         self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> "cublas" | "gemv8"
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
         self.num_captures = 0
+        self._pending_delta = False  # while a step is queued: delta holds a product not yet added
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 
@@ -493,18 +501,46 @@ class CudaGraphRunner(HostLoop):
         8-row chunks; the only choice up to 8 rows) or "cublas"."""
         return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
 
-    def _linear(self, n: int, name: str, x, w, b, out) -> None:
-        """out[n, N] = x[n, K] @ w[N, K]^T (+ b)."""
+    def _normed(self, n: int, name: str, norm):
+        """The input of product `name`, rms_norm(residual, norm), as (x, norm_weight): (residual,
+        norm) when that product's GEMV normalises in its prologue, else (hidden, None) after a
+        norm kernel (fused_add_rms_norm when a cuBLAS product still waits in delta)."""
+        ops = torch.ops.decodex
+        residual, hidden = self.residual[:n], self.hidden[:n]
+        if self._pending_delta:
+            ops.fused_add_rms_norm(self.delta[:n], residual, norm, self.eps, hidden)
+            self._pending_delta = False
+        elif name in NORM_IN_GEMV and self._plan(n, name) == "gemv8":
+            return residual, norm
+        else:
+            ops.rms_norm(residual, norm, self.eps, hidden)
+        return hidden, None
+
+    def _linear(self, n: int, name: str, x, w, b, out, norm=None) -> None:
+        """out[n, N] = x[n, K] @ w[N, K]^T (+ b); x RMS-normed with `norm` first if given (gemv8)."""
         if self._plan(n, name) == "cublas":
             _cublas_linear(x, w, b, out)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS],
-                                       prefetch_weight=True)
+                                       prefetch_weight=True, norm_weight=norm, norm_eps=self.eps)
 
-    def _qkv_rope(self, n: int, x, layer, k_cache, v_cache) -> None:
-        """qkv[n] = x @ qkv_w^T (+ qkv_b) with q and k rotated at the rows' positions, k and v
-        appended to the caches there: gemv_rope_append, or cuBLAS then rope_append."""
+    def _add_product(self, n: int, name: str, x, w, b) -> None:
+        """residual[n] += x @ w^T (+ b): gemv with accumulate, or cuBLAS into delta, which the next
+        norm adds (_normed)."""
+        if self._plan(n, name) == "cublas":
+            _cublas_linear(x, w, b, self.delta[:n])
+            self._pending_delta = True
+        else:
+            residual = self.residual[:n]
+            for r in range(0, n, GEMV_MAX_ROWS):
+                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, residual[r: r + GEMV_MAX_ROWS],
+                                       prefetch_weight=True, accumulate=True)
+
+    def _qkv_rope(self, n: int, x, norm, layer, k_cache, v_cache) -> None:
+        """qkv[n] = x @ qkv_w^T (+ qkv_b) (x RMS-normed with `norm` first if given) with q and k
+        rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
+        cuBLAS then rope_append."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         if self._plan(n, "qkv") == "cublas":
             _cublas_linear(x, layer.qkv_w, layer.qkv_b, qkv)
@@ -514,43 +550,43 @@ class CudaGraphRunner(HostLoop):
             for r in range(0, n, GEMV_MAX_ROWS):
                 s = slice(r, r + GEMV_MAX_ROWS)
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
-                                                   qkv[s], k_cache[s], v_cache[s], prefetch_weight=True)
+                                                   qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
+                                                   norm_weight=norm, norm_eps=self.eps)
 
-    def _gate_up_silu(self, n: int, x, w, act) -> None:
-        """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd]:
-        gemv_silu_mul, or cuBLAS then silu_mul."""
+    def _gate_up_silu(self, n: int, x, norm, w, act) -> None:
+        """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (x
+        RMS-normed with `norm` first if given): gemv_silu_mul, or cuBLAS then silu_mul."""
         if self._plan(n, "gate_up") == "cublas":
             _cublas_linear(x, w, None, self.gate_up[:n])
             torch.ops.decodex.silu_mul(self.gate_up[:n], act)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],
-                                                prefetch_weight=True)
+                                                prefetch_weight=True, norm_weight=norm, norm_eps=self.eps)
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""
         m, ops = self.model, torch.ops.decodex
         tokens, positions, lengths = self.tokens[:n], self.positions[:n], self.lengths[:n]
-        residual, hidden, delta = self.residual[:n], self.hidden[:n], self.delta[:n]
         attn, act = self.attn[:n], self.act[:n]
         logits = self.logits[:n]
         q, _, _, ws = self._views(n)
         attn3 = attn.view(n, self.H, self.D)
-        layers = m.layers
-        torch.index_select(m.embed, 0, tokens, out=residual)  # [n, Hd]
-        ops.rms_norm(residual, layers[0].input_norm, self.eps, hidden)
-        for i, layer in enumerate(layers):
+        self._pending_delta = False  # a cuBLAS product in delta not yet added to the residual
+        torch.index_select(m.embed, 0, tokens, out=self.residual[:n])  # [n, Hd]
+        for i, layer in enumerate(m.layers):
             k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
-            self._qkv_rope(n, hidden, layer, k_cache, v_cache)  # q, k rotated; k, v appended
+            x, norm = self._normed(n, "qkv", layer.input_norm)
+            self._qkv_rope(n, x, norm, layer, k_cache, v_cache)  # q, k rotated; k, v appended
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
-            ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3)
-            self._linear(n, "o", attn, layer.o_w, getattr(layer, "o_b", None), delta)
-            ops.fused_add_rms_norm(delta, residual, layer.post_norm, self.eps, hidden)
-            self._gate_up_silu(n, hidden, layer.gate_up_w, act)
-            self._linear(n, "down", act, layer.down_w, None, delta)
-            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else m.final_norm
-            ops.fused_add_rms_norm(delta, residual, next_norm, self.eps, hidden)
-        self._linear(n, "lm_head", hidden, m.lm_head, None, logits)
+            # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.
+            ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
+            self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None))
+            x, norm = self._normed(n, "gate_up", layer.post_norm)
+            self._gate_up_silu(n, x, norm, layer.gate_up_w, act)
+            self._add_product(n, "down", act, layer.down_w, None)
+        x, norm = self._normed(n, "lm_head", m.final_norm)
+        self._linear(n, "lm_head", x, m.lm_head, None, logits, norm)
         if greedy:
             ops.argmax(logits, tokens)
         else:
@@ -615,18 +651,26 @@ class CudaGraphRunner(HostLoop):
     def _plan_linears(self, n: int) -> None:
         """For a graph of n > 8 rows: per product, time cuBLAS over all n rows against decodex's
         GEMV kernels over 8-row chunks (all layers' weights of that shape, so L2-cold; each with its
-        fused epilogue or its separate rope_append / silu_mul) and keep the faster. Runs once per
+        fused epilogue or its separate rope_append / silu_mul, and its input norm: in the prologue
+        or an rms_norm kernel) and keep the faster. Runs once per
         graph size on the current (capture) stream, before capture, with every row dead (nothing
         is appended to the cache)."""
         m, L = self.model, self.model.layers
-        hidden, attn, act, delta = self.hidden[:n], self.attn[:n], self.act[:n], self.delta[:n]
-        runs = {  # name -> (calls per step, one step's worth of that product)
-            "qkv": (len(L), lambda: [self._qkv_rope(n, hidden, l, self.cache.k[i][:n], self.cache.v[i][:n])
-                                     for i, l in enumerate(L)]),
-            "o": (len(L), lambda: [self._linear(n, "o", attn, l.o_w, getattr(l, "o_b", None), delta) for l in L]),
-            "gate_up": (len(L), lambda: [self._gate_up_silu(n, hidden, l.gate_up_w, act) for l in L]),
-            "down": (len(L), lambda: [self._linear(n, "down", act, l.down_w, None, delta) for l in L]),
-            "lm_head": (1, lambda: self._linear(n, "lm_head", hidden, m.lm_head, None, self.logits[:n])),
+        attn, act = self.attn[:n], self.act[:n]
+
+        def normed_then(name, norm, product):  # the input norm as the step runs it, then product
+            self._pending_delta = False
+            product(*self._normed(n, name, norm))
+
+        runs = {  # name -> (calls per step, one step's worth of that product, with its input norm)
+            "qkv": (len(L), lambda: [normed_then("qkv", l.input_norm, lambda x, nw, l=l, i=i: self._qkv_rope(
+                n, x, nw, l, self.cache.k[i][:n], self.cache.v[i][:n])) for i, l in enumerate(L)]),
+            "o": (len(L), lambda: [self._add_product(n, "o", attn, l.o_w, getattr(l, "o_b", None)) for l in L]),
+            "gate_up": (len(L), lambda: [normed_then("gate_up", l.post_norm, lambda x, nw, l=l: self._gate_up_silu(
+                n, x, nw, l.gate_up_w, act)) for l in L]),
+            "down": (len(L), lambda: [self._add_product(n, "down", act, l.down_w, None) for l in L]),
+            "lm_head": (1, lambda: normed_then("lm_head", m.final_norm, lambda x, nw: self._linear(
+                n, "lm_head", x, m.lm_head, None, self.logits[:n], nw))),
         }
         for name, (calls, run) in runs.items():
             times = {}
@@ -635,6 +679,7 @@ class CudaGraphRunner(HostLoop):
                 times[plan] = event_time_ms(run) * 1000.0 / calls  # us per call
             self.linear_times_us[(n, name)] = times
             self.linear_plan[(n, name)] = min(times, key=times.get)
+        self._pending_delta = False
 
     # ---- row state (all queued on self.stream, no host sync) --------------------------------------
 

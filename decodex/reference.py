@@ -15,18 +15,31 @@ import math
 import torch
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N]."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+         accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N].
+
+    norm_weight [K]: the product is of rms_norm(x, norm_weight, norm_eps) (rounded to x's dtype, as
+    rms_norm returns it). accumulate [M, N]: returns accumulate + the product, the product rounded
+    to x's dtype first (what the kernel's accumulate=True leaves in out)."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, norm_eps)
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    if accumulate is not None:
+        y = (accumulate.float() + y.float()).to(accumulate.dtype)
+    return y
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                  norm_eps: float = 0.0) -> torch.Tensor:
     """x [M, K], weight [2I, K] = [gate; up] -> silu_mul(gemv(x, weight)) [M, I] (the gate|up
-    product rounded to x's dtype before the activation, as the fused kernel does)."""
-    return silu_mul(gemv(x, weight))
+    product rounded to x's dtype before the activation, as the fused kernel does); norm_weight as
+    in gemv."""
+    return silu_mul(gemv(x, weight, norm_weight=norm_weight, norm_eps=norm_eps))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,12 +121,13 @@ def rope_append(
     return q_rot, k_rot
 
 
-def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache) -> torch.Tensor:
+def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache, norm_weight=None,
+                     norm_eps: float = 0.0) -> torch.Tensor:
     """gemv of x [M, K] with the merged q|k|v weight [(H + 2 Hkv) D, K] (+ bias), then rope_append on
     the q|k|v rows of the result (writes the caches [M, Hkv, S, D]); returns [M, (H + 2 Hkv) D] with
-    q and k rotated. Hkv and D come from k_cache."""
+    q and k rotated. Hkv and D come from k_cache; norm_weight as in gemv."""
     M, Hkv, D = x.shape[0], k_cache.shape[1], k_cache.shape[3]
-    qkv = gemv(x, weight, bias)
+    qkv = gemv(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
     H = qkv.shape[1] // D - 2 * Hkv
     q, k, v = qkv.view(M, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=1)
     q, k = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache)

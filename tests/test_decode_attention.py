@@ -209,6 +209,42 @@ def test_cuda_graph_replay_as_lengths_grow():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("start", [[0, 127, 4000], [1, 128, 2]], ids=str)
+def test_prefetch_cache_after_the_append(start, D):
+    """prefetch_cache=True right behind the append of row lengths - 1, as the decode step runs them:
+    [rope_append at positions, decode_attention, advance_positions] in one CUDA graph. The appended
+    row was poison before (huge K, NaN V), so reading it before the append finished would show; each
+    replay matches the reference on the cache as appended."""
+    H, Hkv, S = 12, 2, 4100
+    B = len(start)
+    q, kc, vc = make_inputs(start, H, Hkv, D, S)
+    pos = torch.tensor(start, dtype=torch.int32, device="cuda")
+    lens = pos + 1
+    inv_freq = reference.rope_inv_freq(D, 10000.0, None).cuda()
+    k_new = torch.randn(B, Hkv, D, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn(B, Hkv, D, device="cuda").to(torch.bfloat16)
+    ws = torch.full((B, H, _splits(B, Hkv, S), D + 2), float("nan"), device="cuda")
+    out = torch.full_like(q, float("nan"))
+    scale = 1 / math.sqrt(D)
+
+    def step():
+        _ops().rope_append(q, k_new, v_new, inv_freq, pos, kc, vc)
+        _ops().decode_attention(q, kc, vc, lens, scale, ws, out, prefetch_cache=True)
+        _ops().advance_positions(pos, lens)
+
+    graph = capture_graph(step)  # runs one step first
+    for _ in range(4):
+        k_new.copy_(torch.randn(B, Hkv, D, device="cuda"))
+        v_new.copy_(torch.randn(B, Hkv, D, device="cuda"))
+        used = lens.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, ref_fp32(q, kc, vc, used, scale))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 def test_opcheck_cuda():
     H, Hkv, D, S = 12, 2, 128, 300
     lengths = [300, 17]
@@ -293,6 +329,7 @@ def test_rejects_cpu_lengths_and_bad_cache_strides():
 def test_schemas_registered():
     schema = str(torch.ops.decodex.decode_attention.default._schema)
     assert "Tensor(a!) workspace" in schema and "Tensor(b!) out" in schema and "float scale" in schema
+    assert schema.endswith("Tensor(b!) out, bool prefetch_cache=False) -> ()"), schema
     assert "-> int" in str(torch.ops.decodex.decode_attention_splits.default._schema)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import capture_graph, norm_inputs, normed_by_gemv
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # e.g. under compute-sanitizer: fewer sizes
 
@@ -221,6 +221,144 @@ def test_gemv_prefetch_weight(M, N, K):
         assert torch.equal(got, exp)
 
 
+# ---------------------------------------------------------------- GPU: norm prologue, accumulate
+
+NORM_EPS = 1e-6
+
+
+def _ulp_diff_fraction(a, b):
+    """Fraction of elements of two bf16 tensors that differ (by any amount), and the worst
+    difference in units of the larger magnitude's bf16 ulp."""
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    ulp = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30) * 2.0**-7
+    return float((diff > 0).float().mean()), float((diff / ulp).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (1, 37888, 3584), (3, 769, 1544), (8, 4608, 3584),
+                                   (8, 7, 8960), (5, 40, 8), (2, 1, 136)])
+def test_gemv_norm_weight(M, N, K):
+    """norm_weight: the product is of rms_norm(x): the prologue's normalised x (read back through an
+    identity GEMV) is the reference rms_norm up to rare 1-ulp differences (a different fp32
+    summation order of the squares), and the GEMV equals the plain GEMV of it bit for bit."""
+    x, nw = norm_inputs(M, K)
+    xn = normed_by_gemv(x, nw, NORM_EPS)
+    ref = reference.rms_norm(x, nw, NORM_EPS)
+    frac, worst = _ulp_diff_fraction(xn, ref)
+    assert frac < 1e-3 and worst <= 1.0, f"prologue vs reference rms_norm: {frac:.2e} differ, worst {worst} ulp"
+    _, w, b = _inputs(M, N, K)
+    out = _poisoned(M, N)
+    torch.ops.decodex.gemv(x, w, b, out, norm_weight=nw, norm_eps=NORM_EPS)
+    assert torch.equal(out, _gemv(xn, w, b, _poisoned(M, N)))
+    _check(out, ref, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_norm_weight_every_variant(monkeypatch, config, M):
+    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    N, K = 769, 1544
+    x, nw = norm_inputs(M, K)
+    xn = normed_by_gemv(x, nw, NORM_EPS)  # before the override: the default configuration
+    _, w, b = _inputs(M, N, K)
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    out = _poisoned(M, N)
+    torch.ops.decodex.gemv(x, w, b, out, norm_weight=nw, norm_eps=NORM_EPS)
+    assert torch.equal(out, _gemv(xn, w, b, _poisoned(M, N))), "the norm prologue depends on the variant"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 1536, 8960), (8, 769, 1536), (3, 7, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_accumulate(M, N, K, bias):
+    """accumulate: out += the product, rounded as gemv then a bf16 add (bit for bit)."""
+    x, w, b = _inputs(M, N, K, bias)
+    base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+    out = base.clone()
+    torch.ops.decodex.gemv(x, w, b, out, accumulate=True)
+    plain = _gemv(x, w, b, _poisoned(M, N))
+    assert torch.equal(out, (base.float() + plain.float()).to(torch.bfloat16))
+    ref = reference.gemv(x, w, b, accumulate=base)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_norm_and_accumulate_chain_in_graph(M):
+    """The decode step's pattern, captured with prefetch_weight: h = W1 rms_norm(r); r += W2 h,
+    three times over, each kernel reading what the one before wrote. Bitwise equal to plain calls,
+    and close to the fp32 reference of the chain."""
+    K, N = 1536, 2048
+    r0, nw = norm_inputs(M, K)
+    w1 = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
+    w2 = [(torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16) for _ in range(3)]
+    r, h = r0.clone(), _poisoned(M, N)
+
+    def chain(prefetch):
+        for a, c in zip(w1, w2):
+            torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, norm_weight=nw, norm_eps=NORM_EPS)
+            torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True)
+
+    chain(False)
+    want = r.clone()
+    ref = r0
+    for a, c in zip(w1, w2):
+        ref = reference.gemv(reference.gemv(ref, a, norm_weight=nw, norm_eps=NORM_EPS), c, accumulate=ref)
+    torch.testing.assert_close(want.float(), ref.float(), rtol=0.05, atol=0.05)
+    r.copy_(r0)
+    graph = capture_graph(lambda: chain(True))  # runs the chain once more before capturing
+    r.copy_(r0)
+    h.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(r, want)
+
+
+@pytest.mark.gpu
+def test_gemv_norm_weight_rejects():
+    x, w, b = _inputs(2, 32, 64)
+    out = _poisoned(2, 32)
+    nw = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+
+    def err(match, **kw):
+        args = dict(norm_weight=nw, norm_eps=NORM_EPS)
+        args.update(kw)
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.decodex.gemv(x, w, b, out, **args)
+
+    err(r"norm_weight must have dtype", norm_weight=nw.float())
+    err(r"norm_weight must have shape \[K\] = \[64\]", norm_weight=nw[:56])
+    err(r"norm_weight must have shape", norm_weight=nw[None])
+    err(r"norm_weight must be on", norm_weight=nw.cpu())
+    err(r"norm_weight must be contiguous", norm_weight=torch.ones(128, device="cuda", dtype=torch.bfloat16)[::2])
+    err(r"norm_weight must be 16-byte aligned", norm_weight=torch.ones(72, device="cuda", dtype=torch.bfloat16)[1:65])
+    err(r"norm_eps must be finite and >= 0", norm_eps=-1.0)
+    err(r"norm_eps must be finite", norm_eps=float("nan"))
+    # M rows of K that do not fit in shared memory: a clear error, not a failed launch.
+    xb = torch.randn(8, 16384, device="cuda").to(torch.bfloat16)
+    wb = torch.randn(16, 16384, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"shared memory.*M = 8 rows of K = 16384.*rms_norm before"):
+        torch.ops.decodex.gemv(xb, wb, None, _poisoned(8, 16), norm_weight=torch.ones(16384, device="cuda",
+                               dtype=torch.bfloat16), norm_eps=NORM_EPS)
+
+
+@pytest.mark.gpu
+def test_gemv_rejects_x_overlapping_out():
+    """x and out in one buffer: refused (blocks would read x while others write out), with or
+    without accumulate; disjoint views of one buffer are fine."""
+    buf = torch.randn(2, 128, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(64, 64, device="cuda") / 8).to(torch.bfloat16)
+    for accumulate in (False, True):
+        with pytest.raises(RuntimeError, match="x and out must not overlap"):
+            torch.ops.decodex.gemv(buf[:, :64], w, None, buf[:, 32:96], accumulate=accumulate)
+    x, out = buf[:, :64], buf[:, 64:]
+    torch.ops.decodex.gemv(x, w, None, out)
+    _check(out, x, w, None)
+
+
 # ---------------------------------------------------------------- GPU: argument checks
 
 
@@ -311,7 +449,8 @@ def test_gemv_rejects_layouts():
 def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
-                      "bool prefetch_weight=False) -> ()"), schema
+                      "bool prefetch_weight=False, Tensor? norm_weight=None, float norm_eps=0., "
+                      "bool accumulate=False) -> ()"), schema
 
 
 @pytest.mark.ext
@@ -326,6 +465,8 @@ def test_gemv_fake_tensor_mode():
         out = torch.empty(3, 769, device="cuda", dtype=torch.bfloat16)
         assert torch.ops.decodex.gemv(x, w, b, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out) is None
+        nw = torch.empty(136, device="cuda", dtype=torch.bfloat16)
+        assert torch.ops.decodex.gemv(x, w, None, out, norm_weight=nw, norm_eps=1e-6, accumulate=True) is None
 
 
 @pytest.mark.ext
@@ -356,3 +497,9 @@ def test_reference_gemv_cpu():
                                x.float() @ w.float().t() + b.float())
     y = reference.gemv(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (3, 7)
+    # norm_weight: the product of the normed x; accumulate: added to the given tensor.
+    nw = (1.0 + 0.1 * torch.randn(136)).to(torch.bfloat16)
+    torch.testing.assert_close(reference.gemv(x, w, b, norm_weight=nw, norm_eps=1e-6),
+                               reference.gemv(reference.rms_norm(x, nw, 1e-6), w, b))
+    acc = torch.randn(3, 7).to(torch.bfloat16)
+    assert torch.equal(reference.gemv(x, w, b, accumulate=acc), (acc.float() + y.float()).to(torch.bfloat16))

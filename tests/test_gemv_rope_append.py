@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import capture_graph, norm_inputs, normed_by_gemv
 
 THETA = 1_000_000.0
 # (H, Hkv, D, K): Qwen2.5-1.5B, Qwen2.5-7B, a head dim 64 model, a small odd one.
@@ -150,6 +150,22 @@ def test_gemv_rope_append_rejects():
     err(r"gemv_rope_append handles M = 1\.\.8", x=torch.randn(9, 40, device="cuda").to(torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv,D,K", LAYOUTS)
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_rope_append_norm_weight(M, H, Hkv, D, K):
+    """norm_weight: out and both caches equal bit for bit to gemv_rope_append of the prologue's
+    normalised x (read back through an identity GEMV)."""
+    x0, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
+    x, nw = norm_inputs(M, K)
+    pos = torch.tensor([3 + 5 * m for m in range(M)], dtype=torch.int32, device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = torch.full((M, w.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, pos, got, kc, vc, norm_weight=nw, norm_eps=1e-6)
+    want = _fused(normed_by_gemv(x, nw, 1e-6), w, b, inv_freq, pos, kc2, vc2)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 # ---------------------------------------------------------------- CPU
 
 
@@ -160,7 +176,7 @@ def test_gemv_rope_append_schema_and_fake():
     schema = str(torch.ops.decodex.gemv_rope_append.default._schema)
     assert schema == ("decodex::gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, "
                       "Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-                      "bool prefetch_weight=False) -> ()"), schema
+                      "bool prefetch_weight=False, Tensor? norm_weight=None, float norm_eps=0.) -> ()"), schema
     with FakeTensorMode():
         bf = dict(device="cuda", dtype=torch.bfloat16)
         args = (torch.empty(2, 40, **bf), torch.empty(80, 40, **bf), None,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import capture_graph, norm_inputs, normed_by_gemv
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
 
@@ -139,18 +139,34 @@ def test_gemv_silu_mul_rejects():
 # ---------------------------------------------------------------- CPU
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,I,K", [(1, 8960, 1536), (1, 18944, 3584), (8, 769, 3584), (3, 7, 8)])
+def test_gemv_silu_mul_norm_weight(M, I, K):
+    """norm_weight: equal bit for bit to gemv_silu_mul of the prologue's normalised x (read back
+    through an identity GEMV, which test_gemv.py checks against the reference rms_norm)."""
+    x, nw = norm_inputs(M, K)
+    _, w = _inputs(M, I, K)
+    out = _poisoned(M, I)
+    torch.ops.decodex.gemv_silu_mul(x, w, out, norm_weight=nw, norm_eps=1e-6)
+    assert torch.equal(out, _fused(normed_by_gemv(x, nw, 1e-6), w))
+    with pytest.raises(RuntimeError, match="norm_weight must have shape"):
+        torch.ops.decodex.gemv_silu_mul(x, w, out, norm_weight=nw[:8], norm_eps=1e-6)
+
+
 @pytest.mark.ext
 def test_gemv_silu_mul_schema_and_fake():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
     assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
-                      "bool prefetch_weight=False) -> ()"), schema
+                      "bool prefetch_weight=False, Tensor? norm_weight=None, float norm_eps=0.) -> ()"), schema
     with FakeTensorMode():
         x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(80, 136, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(3, 40, device="cuda", dtype=torch.bfloat16)
         assert torch.ops.decodex.gemv_silu_mul(x, w, out) is None
+        nw = torch.empty(136, device="cuda", dtype=torch.bfloat16)
+        assert torch.ops.decodex.gemv_silu_mul(x, w, out, norm_weight=nw, norm_eps=1e-6) is None
     meta = dict(device="meta", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.decodex.gemv_silu_mul.default,
                           (torch.empty(3, 136, **meta), torch.empty(80, 136, **meta), torch.empty(3, 40, **meta)),
