@@ -32,10 +32,12 @@
 //    the lane that owns an output adds the rounded product to it: out += product, as an add after
 //    gemv would round it. The decode graph adds the o and down products into the residual so.
 //  * Norm prologue (norm_weight, kNorm): each block first RMS-normalises the M rows of x into shared
-//    memory (one warp per row sums the squares in a fixed order, so every block gets the same
-//    1/rms bits; then all threads scale the rows by it and the norm weight), and the main loop
-//    reads x from there. That replaces an rms_norm kernel before the GEMV and its launch gap; the
-//    few KB of x every block re-reads come from L2.
+//    memory, and the main loop reads x from there. That replaces an rms_norm kernel before the
+//    GEMV and its launch gap; the few KB of x every block re-reads come from L2. The prologue
+//    costs one round trip to memory (the rows and the norm weight copied to shared memory at
+//    once), because behind the wait that round trip queues after the first weights in flight:
+//    every further dependent one showed as microseconds (a first version with three lost 2-20 us
+//    per call on the big shapes, bench/RESULTS.md session 4).
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
@@ -76,7 +78,6 @@ constexpr int kMaxCluster = 8; // portable cluster size limit
 
 constexpr int kXsPad = 4;      // kNorm: 64 B of padding per xs row, so rows g and g+1 of a
                                // shared-memory x load fall in different banks
-constexpr int kNormDepth = 8;  // 16 B loads in flight per lane while summing a row's squares
 // Dynamic shared memory the norm prologue may take: the sm_90 per-block limit (227 KB) less the
 // kernel's static shared memory (red, inv_rms: under 5 KB).
 constexpr int64_t kMaxNormSmem = 227 * 1024 - 5 * 1024;
@@ -86,11 +87,12 @@ __device__ __forceinline__ bf16x8 as_bf16x8(const uint4& v) {
 }
 
 // The norm prologue: xs[m][v] = rms_norm(x[m], norm_w, eps)[8v .. 8v+8) for the M rows, one 16 B
-// vector per entry, row stride xs_ld vectors. Step 1: warp w sums the squares of rows w, w + warps,
-// ... with lane-strided vectors and one shuffle tree: the order depends on K only, so every block
-// (whatever its warps) computes the same 1/rms bits. Step 2: all threads scale; x and the norm
-// weight come from L1 by then (step 1 loaded x through it and prefetched the weight). Ends with a
-// barrier: xs is complete. Call after griddepcontrol.wait (x is the kernel ahead's output).
+// vector per entry, row stride xs_ld vectors; the norm weight lands after the rows (M * xs_ld).
+// 1. One round trip: every 16 B of the rows and of the norm weight copied to shared memory at once.
+// 2. Warp w sums the squares of rows w, w + warps, ... over lane-strided vectors, then one shuffle
+//    tree: the order depends on K only, so every block (whatever its warps) gets the same 1/rms bits.
+// 3. All threads scale the rows in place. Ends with a barrier: xs is complete. Call after
+//    griddepcontrol.wait (x is the kernel ahead's output).
 template <int M>
 __device__ __forceinline__ void normalise_rows(const __nv_bfloat16* __restrict__ x, int64_t ldx,
                                                const __nv_bfloat16* __restrict__ norm_w, float eps,
@@ -98,31 +100,32 @@ __device__ __forceinline__ void normalise_rows(const __nv_bfloat16* __restrict__
   __shared__ float inv_rms[M];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int nvec = K / 8;
-  for (int l = threadIdx.x; l * 64 < K; l += blockDim.x) prefetch_l1(norm_w + 64 * l);  // 128 B lines
-  for (int m = warp; m < M; m += warps) {
-    const __nv_bfloat16* xr = x + m * ldx;
-    float sumsq = 0.f;
-    for (int v0 = 0; v0 < nvec; v0 += 32 * kNormDepth) {
-      uint4 buf[kNormDepth];
+  uint4* ws = xs + M * xs_ld;
 #pragma unroll
-      for (int j = 0; j < kNormDepth; ++j) {
-        const int v = v0 + 32 * j + lane;
-        buf[j] = load16_cached(xr + 8 * v, v < nvec);  // absent vectors are zeros: add nothing
+  for (int m = 0; m <= M; ++m) {
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      if (m < M) {
+        cp_async16(xs + m * xs_ld + v, x + m * ldx + 8 * v);
+      } else {
+        cp_async16(ws + v, norm_w + 8 * v);
       }
-#pragma unroll
-      for (int j = 0; j < kNormDepth; ++j) sumsq = add_squares8(as_bf16x8(buf[j]), sumsq);
     }
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  for (int m = warp; m < M; m += warps) {
+    float sumsq = 0.f;
+    for (int v = lane; v < nvec; v += 32) sumsq = add_squares8(as_bf16x8(xs[m * xs_ld + v]), sumsq);
     sumsq = warp_reduce(sumsq, Sum{});
     if (lane == 0) inv_rms[m] = rms_inv(sumsq, K, eps);
   }
   __syncthreads();
-#pragma unroll 4
-  for (int i = threadIdx.x; i < M * nvec; i += blockDim.x) {
-    const int m = i / nvec, v = i - m * nvec;
-    const bf16x8 xv = as_bf16x8(load16_cached(x + m * ldx + 8 * v, true));
-    const bf16x8 wv = as_bf16x8(load16_cached(norm_w + 8 * v, true));
-    const bf16x8 y = rms_scale8(xv, wv, inv_rms[m]);
-    xs[m * xs_ld + v] = *reinterpret_cast<const uint4*>(&y);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const bf16x8 y = rms_scale8(as_bf16x8(xs[m * xs_ld + v]), as_bf16x8(ws[v]), inv_rms[m]);
+      xs[m * xs_ld + v] = *reinterpret_cast<const uint4*>(&y);
+    }
   }
   __syncthreads();
 }
@@ -239,6 +242,19 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
                      static_cast<uint32_t>(k1 - k0) * 2u);
   }
   pdl_begin();
+  // accumulate: the lanes that will store (lead warps, rank 0 of a cluster) fetch the outputs they
+  // add to now, so that round trip overlaps the main loop instead of following it.
+  const bool lead = warp % wk == 0;
+  uint16_t old_out[4] = {0, 0, 0, 0};
+  if (!kSilu && !kRope && accumulate && lead && rank == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = i >= 2 ? row1 : row0;
+      const int n = 2 * t + (i & 1);
+      old_out[i] = load_b16(out + static_cast<int64_t>(min(n, M - 1)) * ldo + min(row, N - 1),
+                            tile_ok && n < M && row < N);
+    }
+  }
   if constexpr (kNorm) normalise_rows<M>(x, ldx, norm_w, norm_eps, K, xs, xs_ld);
   if (s_begin < s_end) {
     if (!prefetch_weight) load_weights(wa0, wb0, s_begin);
@@ -254,7 +270,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   for (int i = 0; i < 4; ++i) r[i] = acc_lo[i] + acc_hi[i];
 
   // Sum the wk k-ranges of each tile in the block (block-uniform branch).
-  const bool lead = warp % wk == 0;
   if (wk > 1) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[warp][i][lane] = r[i];
@@ -348,10 +363,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       const int row = i >= 2 ? row1 : row0;
       const int n = 2 * t + (i & 1);
       if (n < M && row < N) {
-        __nv_bfloat16* o = out + static_cast<int64_t>(n) * ldo + row;
         float v = stored(i, row);
-        if (accumulate) v = __fadd_rn(__bfloat162float(*o), v);  // out += the rounded product
-        *o = __float2bfloat16_rn(v);
+        if (accumulate) v = __fadd_rn(__bfloat162float(__ushort_as_bfloat16(old_out[i])), v);  // out += it
+        out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
       }
     }
   }
@@ -405,8 +419,8 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool norm) {
   return norm ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
 }
 
-// The norm prologue's shared memory: M rows of K bf16 plus the padding.
-int64_t norm_smem_bytes(int64_t M, int64_t K) { return M * (K / 8 + kXsPad) * 16; }
+// The norm prologue's shared memory: M padded rows of K bf16, then the K of the norm weight.
+int64_t norm_smem_bytes(int64_t M, int64_t K) { return (M * (K / 8 + kXsPad) + K / 8) * 16; }
 
 // Lets `kernel` use up to `bytes` of dynamic shared memory (above the default 48 KB); once per
 // kernel and size class, cached.
@@ -639,7 +653,8 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
              norm_eps);
     const int64_t smem = norm_smem_bytes(M, K);
     DX_CHECK(smem <= kMaxNormSmem, "decodex::", op, " with norm_weight keeps the M normalised rows ",
-             "of x in shared memory: M = ", M, " rows of K = ", K, " need ", smem, " bytes, more ",
+             "of x and the norm weight in shared memory: M = ", M, " rows of K = ", K, " need ", smem,
+             " bytes, more ",
              "than the ", kMaxNormSmem, " available; use rms_norm before the GEMV instead");
     o.norm_weight = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
     o.norm_eps = static_cast<float>(norm_eps);

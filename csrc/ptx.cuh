@@ -1,5 +1,5 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, the L1 and L2 bulk prefetches, and the tensor-core mma.
+// their cache hints, cp.async, the L2 bulk prefetch, and the tensor-core mma.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -43,9 +43,30 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 #endif
 }
 
-// Asks for the 128 B line holding p in this SM's L1 (no registers, nothing to wait for).
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+// 16 bytes global -> shared without registers (cp.async, L2 only); cp_async_wait_all() waits for
+// this thread's copies (a barrier then publishes them to the block).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// 2 bytes at p (a coherent load: p may be written later by the same thread), or 0 when !pred.
+// Volatile, so it is issued where it is written rather than sunk to its use.
+__device__ __forceinline__ uint16_t load_b16(const void* p, bool pred) {
+  uint16_t v;
+  asm volatile("{\n"
+               "  .reg .pred p;\n"
+               "  setp.ne.b32 p, %2, 0;\n"
+               "  mov.b16 %0, 0;\n"
+               "  @p ld.global.b16 %0, [%1];\n"
+               "}\n"
+               : "=h"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
 }
 
 // d[16x8] += a[16x16] * b[16x8]: mma.sync m16n8k16, bf16 operands in the PTX fragment layouts,

@@ -347,14 +347,17 @@ def test_gemv_norm_weight_rejects():
 
 @pytest.mark.gpu
 def test_gemv_rejects_x_overlapping_out():
-    """x and out in one buffer: refused (blocks would read x while others write out), with or
-    without accumulate; disjoint views of one buffer are fine."""
-    buf = torch.randn(2, 128, device="cuda").to(torch.bfloat16)
+    """x and out whose address ranges intersect: refused (blocks would read x while others write
+    out), with or without accumulate, even when the elements interleave without sharing; views of
+    one buffer with separate ranges are fine."""
+    buf = torch.randn(4, 128, device="cuda").to(torch.bfloat16)
     w = (torch.randn(64, 64, device="cuda") / 8).to(torch.bfloat16)
     for accumulate in (False, True):
         with pytest.raises(RuntimeError, match="x and out must not overlap"):
-            torch.ops.decodex.gemv(buf[:, :64], w, None, buf[:, 32:96], accumulate=accumulate)
-    x, out = buf[:, :64], buf[:, 64:]
+            torch.ops.decodex.gemv(buf[:2, :64], w, None, buf[:2, 32:96], accumulate=accumulate)
+        with pytest.raises(RuntimeError, match="x and out must not overlap"):
+            torch.ops.decodex.gemv(buf[:2, :64], w, None, buf[:2, 64:], accumulate=accumulate)
+    x, out = buf[:2, :64], buf[2:, :64]
     torch.ops.decodex.gemv(x, w, None, out)
     _check(out, x, w, None)
 
