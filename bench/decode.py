@@ -138,6 +138,8 @@ def decodex_case(model, batch: int, context: int) -> dict:
     assert runner.stats.decode_steps == WALL_STEPS, runner.stats
     wall_ms = runner.stats.ms_per_step()
     plan = {name: v for (m, name), v in runner.linear_plan.items() if m == n}
+    norms = {"+".join(c) or "none": round(ms, 3) for (m, c), ms in runner.norm_times_ms.items() if m == n}
+    plan["norm in gemv"] = f"{'+'.join(runner.norm_in_gemv[n]) or 'none'} (step ms with dead rows: {norms})"
     del runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -309,7 +311,7 @@ def rows(args=None) -> list[list]:
                 floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
-                extra = f", linears for {batch} rows: {r['plan']}" if r["plan"] else ""
+                extra = f", plan for {batch} rows: {r['plan']}" if r["plan"] else ""
                 print(f"  {label} b{batch} ctx{context}: GPU {r['gpu_ms']:.3f} ms, wall {r['wall_ms']:.3f} ms, "
                       f"floor {floor:.3f} ms{extra}", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on with the other cases

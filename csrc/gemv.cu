@@ -422,26 +422,18 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool norm) {
 // The norm prologue's shared memory: M padded rows of K bf16, then the K of the norm weight.
 int64_t norm_smem_bytes(int64_t M, int64_t K) { return (M * (K / 8 + kXsPad) + K / 8) * 16; }
 
-// A norm-prologue kernel: lets it use up to `bytes` of dynamic shared memory (above the default
-// 48 KB), and asks for the largest shared-memory carveout. Its x lives in shared memory, not L1,
-// and with the default carveout fewer blocks fit an SM: the big GEMVs, which need all their blocks
-// resident in one wave, ran 50-70% slower. Once per kernel and size, cached.
-void prepare_norm_kernel(GemvKernel kernel, int64_t bytes) {
-  thread_local std::map<GemvKernel, int64_t> prepared;  // kernel -> dynamic bytes allowed (+1)
-  int64_t& have = prepared[kernel];
-  if (have == 0) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    DX_CHECK(err == cudaSuccess, "decodex::gemv: cannot set the norm prologue's shared-memory ",
-             "carveout: ", cudaGetErrorString(err));
-    have = 48 * 1024 + 1;
-  }
-  if (bytes + 1 <= have) return;
+// Lets a norm-prologue kernel use up to `bytes` of dynamic shared memory (above the default 48 KB);
+// once per kernel and size, cached. (Asking for the largest shared-memory carveout as well made
+// every shape slower on the H200: bench/RESULTS.md, session 4.)
+void allow_dynamic_smem(GemvKernel kernel, int64_t bytes) {
+  thread_local std::map<GemvKernel, int64_t> allowed;
+  int64_t& have = allowed[kernel];
+  if (bytes <= have || bytes <= 48 * 1024) return;
   const cudaError_t err = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   DX_CHECK(err == cudaSuccess, "decodex::gemv: cannot give the norm prologue ", bytes,
            " bytes of shared memory: ", cudaGetErrorString(err));
-  have = bytes + 1;
+  have = bytes;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -705,7 +697,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   const bool norm = options.norm_weight != nullptr;
   const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, norm);
   const int64_t smem = norm ? norm_smem_bytes(M, K) : 0;
-  if (norm) prepare_norm_kernel(kernel, smem);
+  if (norm) allow_dynamic_smem(kernel, smem);
   launch.dynamicSmemBytes = static_cast<size_t>(smem);
   launch.stream = current_stream();
   // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see

@@ -3,11 +3,11 @@
 One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
 
     embed (into the residual) -> per layer [gemv_rope_append (the qkv gemv (+bias) of the
-    input-normed residual: the RMSNorm in its prologue, RoPE and the cache append at the device-side
-    position in its epilogue) -> decode_attention (over the device-side length) -> o gemv adding
-    into the residual (accumulate) -> gemv_silu_mul (the gate|up gemv of the post-attention-normed
-    residual, SiLU*up in its epilogue) -> down gemv adding into the residual] -> rms_norm (final
-    norm) -> lm_head gemv -> argmax | sample -> advance_positions
+    input-normed residual, the RMSNorm in its prologue or a kernel before it; RoPE and the cache
+    append at the device-side position in its epilogue) -> decode_attention (over the device-side
+    length) -> o gemv adding into the residual (accumulate) -> rms_norm -> gemv_silu_mul (the
+    gate|up gemv, SiLU*up in its epilogue) -> down gemv adding into the residual] -> rms_norm
+    (final norm) -> lm_head gemv -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -45,11 +45,12 @@ Choices, and why:
 - Two graphs per size, greedy (argmax) and sampling (sample, whose temperature-0 rows take the
   argmax too): the greedy graph is used whenever every live row is greedy, so plain decoding never
   pays for the sampling kernel's histogram pass. Each is captured only if used.
-- The residual adds and RMSNorms live in the GEMVs (norm_weight, accumulate): 5 kernels per layer
-  instead of 7, each kernel boundary being a launch gap and a round trip to memory. Where a product
-  runs on cuBLAS (graphs of more than 8 rows), its output waits in `delta` and the next norm is a
-  fused_add_rms_norm kernel, as before. The lm_head GEMV keeps a separate rms_norm: its grid is many
-  waves of blocks, each of which would redo the norm of x.
+- The residual adds live in the o and down GEMVs (accumulate), and the input norm of the qkv
+  product in its GEMV (norm_weight) where that measured faster at the graph's first capture
+  (NORM_CHOICES): each kernel boundary is a launch gap and a round trip to memory. The other norms
+  are rms_norm kernels: the norm prologue of the gate|up and lm_head GEMVs measured slower. Where a
+  product runs on cuBLAS (graphs of more than 8 rows), its output waits in `delta` and the next
+  norm is a fused_add_rms_norm kernel, as before.
 - First layer: the embedding is gathered straight into the residual buffer (the eager model adds
   it to a zero residual: the same values).
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
@@ -76,7 +77,10 @@ from decodex import _ext, reference
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
-NORM_IN_GEMV = ("qkv", "gate_up")  # products whose GEMV RMS-normalises its own input
+# Which products' GEMVs RMS-normalise their own input (norm_weight), tried per graph size at its
+# first capture; the fastest step is kept. The gate|up GEMV's prologue measured slower than an
+# rms_norm kernel at every shape (bench/RESULTS.md, session 4), so only qkv is tried.
+NORM_CHOICES = (("qkv",), ())
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 
 
@@ -476,6 +480,8 @@ class CudaGraphRunner(HostLoop):
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
         self.num_captures = 0
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
+        self.norm_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
+        self.norm_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what that choice measured
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 
@@ -510,7 +516,7 @@ class CudaGraphRunner(HostLoop):
         if self._pending_delta:
             ops.fused_add_rms_norm(self.delta[:n], residual, norm, self.eps, hidden)
             self._pending_delta = False
-        elif name in NORM_IN_GEMV and self._plan(n, name) == "gemv8":
+        elif name in self.norm_in_gemv.get(n, ()) and self._plan(n, name) == "gemv8":
             return residual, norm
         else:
             ops.rms_norm(residual, norm, self.eps, hidden)
@@ -624,13 +630,40 @@ class CudaGraphRunner(HostLoop):
             self.lengths.copy_(saved[2])
 
     def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        """The graph of a step over n rows. At a size's first capture the step is captured once per
+        NORM_CHOICES entry and the one whose replays are fastest is kept (and its choice reused for
+        the other greedy flag)."""
         if n not in self.sizes:
             raise ValueError(f"graph size {n} is not one of {self.sizes}")
+        if n in self.norm_in_gemv:
+            return self._capture_as_chosen(n, greedy)
+        best = None
+        for choice in NORM_CHOICES:
+            self.norm_in_gemv[n] = choice
+            graph = self._capture_as_chosen(n, greedy)
+            ms = self._replay_ms(graph)
+            self.norm_times_ms[(n, choice)] = ms
+            if best is None or ms < best[0]:
+                best = (ms, choice, graph)
+        self.norm_in_gemv[n] = best[1]
+        return best[2]
+
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+        """GPU ms per replay of a step graph, every row dead (state saved and restored): the
+        weight products run in full, attention and the appends do nothing."""
+        cs = self._capture_stream
+        cs.wait_stream(self.stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(cs), self._quiet_rows():
+            ms = event_time_ms(lambda: [graph.replay() for _ in range(reps)], reps=3) / reps
+        self.stream.wait_stream(cs)
+        return ms
+
+    def _capture_as_chosen(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
         cs = self._capture_stream
         cs.wait_stream(self.stream)  # the state the warm-up saves and restores is current
         with torch.cuda.device(self.device), torch.cuda.stream(cs), torch.no_grad():
             with self._quiet_rows():  # lazy init (cuBLAS handles, workspaces) outside the graph
-                if n > GEMV_MAX_ROWS:
+                if n > GEMV_MAX_ROWS and (n, "qkv") not in self.linear_plan:
                     self._plan_linears(n)
                 for _ in range(2):
                     self._step(n, greedy)
