@@ -635,6 +635,7 @@ class CudaGraphRunner(HostLoop):
         the other greedy flag)."""
         if n not in self.sizes:
             raise ValueError(f"graph size {n} is not one of {self.sizes}")
+        self.num_captures += 1  # graphs kept (the trial captures of a choice count as one)
         if n in self.norm_in_gemv:
             return self._capture_as_chosen(n, greedy)
         best = None
@@ -672,7 +673,6 @@ class CudaGraphRunner(HostLoop):
         with torch.cuda.device(self.device), torch.no_grad(), torch.cuda.graph(graph, stream=cs):
             self._step(n, greedy)
         self.stream.wait_stream(cs)
-        self.num_captures += 1
         return graph
 
     def capture(self, batch: int, greedy: bool = True) -> int:
