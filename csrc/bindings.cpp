@@ -19,8 +19,7 @@ TORCH_LIBRARY(decodex, m) {
   // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
   // (programmatic dependent launch); the decode graph sets it, since its weights never change.
   // norm_weight [K] (all three GEMV ops): x's rows are first RMS-normalised with it and norm_eps,
-  // inside the kernel: the product is of rms_norm(x, norm_weight, norm_eps) ((M + 1) * (K + 32) * 2
-  // bytes must fit in shared memory). accumulate (gemv): out += the product (bias included), the product
+  // inside the kernel: the product is of rms_norm(x, norm_weight, norm_eps). accumulate (gemv): out += the product (bias included), the product
   // rounded to bf16 first. x must not overlap out.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
         "Tensor? norm_weight=None, float norm_eps=0., bool accumulate=False) -> ()");

@@ -31,13 +31,12 @@
 //    so a fused op equals gemv followed by the unfused op bit for bit. With accumulate (kStore),
 //    the lane that owns an output adds the rounded product to it: out += product, as an add after
 //    gemv would round it. The decode graph adds the o and down products into the residual so.
-//  * Norm prologue (norm_weight, kNorm): each block first RMS-normalises the M rows of x into shared
-//    memory, and the main loop reads x from there. That replaces an rms_norm kernel before the
-//    GEMV and its launch gap; the few KB of x every block re-reads come from L2. The prologue
-//    costs one round trip to memory (the rows and the norm weight copied to shared memory at
-//    once), because behind the wait that round trip queues after the first weights in flight:
-//    every further dependent one showed as microseconds (a first version with three lost 2-20 us
-//    per call on the big shapes, bench/RESULTS.md session 4).
+//  * Norm prologue (norm_weight, kNorm): each block first computes 1/rms of the M rows of x (one
+//    round trip: the rows' few KB, from L2), and the main loop scales x by it and the norm weight
+//    as it loads them (both through L1), rounding as rms_norm does. That replaces an rms_norm
+//    kernel before the GEMV and its launch gap. Two versions that staged the normalised rows in
+//    shared memory were slower on the big shapes (bench/RESULTS.md, session 4): the shared memory
+//    they took came out of the L1 that holds the weight loads in flight.
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
@@ -76,58 +75,42 @@ constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
 
-constexpr int kXsPad = 4;      // kNorm: 64 B of padding per xs row, so rows g and g+1 of a
-                               // shared-memory x load fall in different banks
-// Dynamic shared memory the norm prologue may take: the sm_90 per-block limit (227 KB) less the
-// kernel's static shared memory (red, inv_rms: under 5 KB).
-constexpr int64_t kMaxNormSmem = 227 * 1024 - 5 * 1024;
-
 __device__ __forceinline__ bf16x8 as_bf16x8(const uint4& v) {
   return *reinterpret_cast<const bf16x8*>(&v);
 }
 
-// The norm prologue: xs[m][v] = rms_norm(x[m], norm_w, eps)[8v .. 8v+8) for the M rows, one 16 B
-// vector per entry, row stride xs_ld vectors; the norm weight lands after the rows (M * xs_ld).
-// 1. One round trip: every 16 B of the rows and of the norm weight copied to shared memory at once.
-// 2. Warp w sums the squares of rows w, w + warps, ... over lane-strided vectors, then one shuffle
-//    tree: the order depends on K only, so every block (whatever its warps) gets the same 1/rms bits.
-// 3. All threads scale the rows in place. Ends with a barrier: xs is complete. Call after
-//    griddepcontrol.wait (x is the kernel ahead's output).
-template <int M>
-__device__ __forceinline__ void normalise_rows(const __nv_bfloat16* __restrict__ x, int64_t ldx,
-                                               const __nv_bfloat16* __restrict__ norm_w, float eps,
-                                               int K, uint4* xs, int xs_ld) {
+__device__ __forceinline__ uint4 as_uint4(const bf16x8& v) {
+  return *reinterpret_cast<const uint4*>(&v);
+}
+
+// The norm prologue: 1/rms of each of the M rows of x; returns row min(g, M - 1)'s. Warp w sums the
+// squares of rows w, w + warps, ... over lane-strided 16 B vectors (kDepth loads in flight per
+// lane: one round trip for K <= 256 * kDepth), then one shuffle tree: the order depends on K only,
+// so every block (whatever its warps) gets the same bits. Call after griddepcontrol.wait.
+template <int M, int kDepth>
+__device__ __forceinline__ float rows_inv_rms(const __nv_bfloat16* __restrict__ x, int64_t ldx,
+                                              int K, float eps, int g) {
   __shared__ float inv_rms[M];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int nvec = K / 8;
-  uint4* ws = xs + M * xs_ld;
-#pragma unroll
-  for (int m = 0; m <= M; ++m) {
-    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      if (m < M) {
-        cp_async16(xs + m * xs_ld + v, x + m * ldx + 8 * v);
-      } else {
-        cp_async16(ws + v, norm_w + 8 * v);
-      }
-    }
-  }
-  cp_async_wait_all();
-  __syncthreads();
   for (int m = warp; m < M; m += warps) {
+    const __nv_bfloat16* xr = x + m * ldx;
     float sumsq = 0.f;
-    for (int v = lane; v < nvec; v += 32) sumsq = add_squares8(as_bf16x8(xs[m * xs_ld + v]), sumsq);
+    for (int v0 = 0; v0 < nvec; v0 += 32 * kDepth) {
+      uint4 buf[kDepth];
+#pragma unroll
+      for (int j = 0; j < kDepth; ++j) {
+        const int v = v0 + 32 * j + lane;
+        buf[j] = load16_cached(xr + 8 * v, v < nvec);  // absent vectors are zeros: add nothing
+      }
+#pragma unroll
+      for (int j = 0; j < kDepth; ++j) sumsq = add_squares8(as_bf16x8(buf[j]), sumsq);
+    }
     sumsq = warp_reduce(sumsq, Sum{});
     if (lane == 0) inv_rms[m] = rms_inv(sumsq, K, eps);
   }
   __syncthreads();
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const bf16x8 y = rms_scale8(as_bf16x8(xs[m * xs_ld + v]), as_bf16x8(ws[v]), inv_rms[m]);
-      xs[m * xs_ld + v] = *reinterpret_cast<const uint4*>(&y);
-    }
-  }
-  __syncthreads();
+  return inv_rms[min(g, M - 1)];
 }
 
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
@@ -166,7 +149,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   __shared__ float red[kMaxWarps][4][32];  // per-warp partial sums, [warp][accumulator][lane]
-  extern __shared__ uint4 xs[];            // kNorm: [M][xs_ld] the normalised rows of x
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -210,18 +192,19 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
-  const int xs_ld = K / 8 + kXsPad;  // kNorm: row stride of xs in 16 B vectors
+  float x_inv_rms = 1.f;  // kNorm: 1/rms of x row g (set after the wait)
   auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
-    uint4 xv[U];
+    uint4 xv[U], nv[kNorm ? U : 1];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
       const bool in = (s + j < s_end) && (k < K);
-      if constexpr (kNorm) {
-        xv[j] = in && xok ? xs[g * xs_ld + k / 8] : make_uint4(0u, 0u, 0u, 0u);
-      } else {
-        xv[j] = load16_cached(xg + k, in && xok);
-      }
+      xv[j] = load16_cached(xg + k, in && xok);
+      if constexpr (kNorm) nv[j] = load16_cached(norm_w + k, in && xok);
+    }
+    if constexpr (kNorm) {  // rms_norm(x) on the fly, rounded as rms_norm rounds it (zeros stay 0)
+#pragma unroll
+      for (int j = 0; j < U; ++j) xv[j] = as_uint4(rms_scale8(as_bf16x8(xv[j]), as_bf16x8(nv[j]), x_inv_rms));
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -255,7 +238,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
                             tile_ok && n < M && row < N);
     }
   }
-  if constexpr (kNorm) normalise_rows<M>(x, ldx, norm_w, norm_eps, K, xs, xs_ld);
+  if constexpr (kNorm) x_inv_rms = rows_inv_rms<M, U == 8 ? 8 : 16>(x, ldx, K, norm_eps, g);
   if (s_begin < s_end) {
     if (!prefetch_weight) load_weights(wa0, wb0, s_begin);
     x_and_mma(wa0, wb0, s_begin);
@@ -385,9 +368,15 @@ using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
                             int, bool, const __nv_bfloat16*, float, bool, const RopeAppendArgs);
 
+// With the norm prologue and M > 1, U = 8 spills (the norm weight's vectors are live beside the
+// weights and x): those take the U = 4 kernel, which sums in the same order (U only unrolls).
 template <int M, int kEpi, bool kNorm>
 GemvKernel kernel_for_m(int u) {
-  return u == 8 ? gemv_kernel<M, 8, kEpi, kNorm> : gemv_kernel<M, 4, kEpi, kNorm>;
+  if constexpr (kNorm && M > 1) {
+    return gemv_kernel<M, 4, kEpi, kNorm>;
+  } else {
+    return u == 8 ? gemv_kernel<M, 8, kEpi, kNorm> : gemv_kernel<M, 4, kEpi, kNorm>;
+  }
 }
 
 template <int kEpi, bool kNorm>
@@ -417,23 +406,6 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
 
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool norm) {
   return norm ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
-}
-
-// The norm prologue's shared memory: M padded rows of K bf16, then the K of the norm weight.
-int64_t norm_smem_bytes(int64_t M, int64_t K) { return (M * (K / 8 + kXsPad) + K / 8) * 16; }
-
-// Lets a norm-prologue kernel use up to `bytes` of dynamic shared memory (above the default 48 KB);
-// once per kernel and size, cached. (Asking for the largest shared-memory carveout as well made
-// every shape slower on the H200: bench/RESULTS.md, session 4.)
-void allow_dynamic_smem(GemvKernel kernel, int64_t bytes) {
-  thread_local std::map<GemvKernel, int64_t> allowed;
-  int64_t& have = allowed[kernel];
-  if (bytes <= have || bytes <= 48 * 1024) return;
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  DX_CHECK(err == cudaSuccess, "decodex::gemv: cannot give the norm prologue ", bytes,
-           " bytes of shared memory: ", cudaGetErrorString(err));
-  have = bytes;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -652,11 +624,6 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
              "norm_weight must be 16-byte aligned (its storage offset breaks vector loads)");
     DX_CHECK(std::isfinite(norm_eps) && norm_eps >= 0.0, "norm_eps must be finite and >= 0, got ",
              norm_eps);
-    const int64_t smem = norm_smem_bytes(M, K);
-    DX_CHECK(smem <= kMaxNormSmem, "decodex::", op, " with norm_weight keeps the M normalised rows ",
-             "of x and the norm weight in shared memory: M = ", M, " rows of K = ", K, " need ", smem,
-             " bytes, more ",
-             "than the ", kMaxNormSmem, " available; use rms_norm before the GEMV instead");
     o.norm_weight = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
     o.norm_eps = static_cast<float>(norm_eps);
   }
@@ -696,9 +663,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
   const bool norm = options.norm_weight != nullptr;
   const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, norm);
-  const int64_t smem = norm ? norm_smem_bytes(M, K) : 0;
-  if (norm) allow_dynamic_smem(kernel, smem);
-  launch.dynamicSmemBytes = static_cast<size_t>(smem);
+  launch.dynamicSmemBytes = 0;
   launch.stream = current_stream();
   // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
   // pdl_begin in common.h).
