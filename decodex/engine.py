@@ -5,9 +5,9 @@ One decode step for a batch of rows is a fixed sequence of kernels on preallocat
     embed (into the residual) -> per layer [gemv_rope_append (the qkv gemv (+bias) of the
     input-normed residual, the RMSNorm in its prologue or a kernel before it; RoPE and the cache
     append at the device-side position in its epilogue) -> decode_attention (over the device-side
-    length) -> o gemv adding into the residual (accumulate) -> gemv_silu_mul (the gate|up gemv of
-    the post-attention-normed residual, likewise; SiLU*up in its epilogue) -> down gemv adding into
-    the residual] -> rms_norm (final norm) -> lm_head gemv -> argmax | sample -> advance_positions
+    length) -> o gemv adding into the residual (accumulate) -> rms_norm -> gemv_silu_mul (the
+    gate|up gemv, SiLU*up in its epilogue) -> down gemv adding into the residual] -> rms_norm
+    (final norm) -> lm_head gemv -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -45,11 +45,11 @@ Choices, and why:
 - Two graphs per size, greedy (argmax) and sampling (sample, whose temperature-0 rows take the
   argmax too): the greedy graph is used whenever every live row is greedy, so plain decoding never
   pays for the sampling kernel's histogram pass. Each is captured only if used.
-- The residual adds live in the o and down GEMVs (accumulate), and the input norms of the qkv and
-  gate|up products in their GEMVs (norm_weight) where that measured faster at the graph's first
-  capture (NORM_CHOICES): each kernel boundary is a launch gap and a round trip to memory. Other
-  norms are rms_norm kernels. Where a product runs on cuBLAS (graphs of more than 8 rows), its
-  output waits in `delta` and the next norm is a fused_add_rms_norm kernel, as before.
+- The residual adds live in the o and down GEMVs (accumulate), and the input norm of the qkv
+  product in its GEMV (norm_weight) where that measured faster at the graph's first capture
+  (NORM_CHOICES): each kernel boundary is a launch gap and a round trip to memory. The other norms
+  are rms_norm kernels. Where a product runs on cuBLAS (graphs of more than 8 rows), its output
+  waits in `delta` and the next norm is a fused_add_rms_norm kernel, as before.
 - First layer: the embedding is gathered straight into the residual buffer (the eager model adds
   it to a zero residual: the same values).
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
@@ -77,10 +77,10 @@ from decodex import _ext, reference
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
 # Which products' GEMVs RMS-normalise their own input (norm_weight), tried per graph size at its
-# first capture; the fastest step is kept (which wins depends on the shapes: bench/RESULTS.md,
-# session 4). The lm_head's input is always normed by a kernel: its grid is many waves of blocks,
-# each of which would redo the norm.
-NORM_CHOICES = (("qkv", "gate_up"), ("qkv",), ())
+# first capture; the fastest step is kept (Qwen2.5-1.5B at batch 1: qkv; -7B: none; bench/RESULTS.md,
+# session 4). The gate|up and lm_head GEMVs' prologue measured slower than an rms_norm kernel at
+# every shape and batch, so they are not tried.
+NORM_CHOICES = (("qkv",), ())
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 
 
