@@ -572,23 +572,36 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out) {
            " for shape ", out.sizes());
 }
 
-const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
-                                     int64_t N) {
-  if (!bias.has_value()) return nullptr;
-  const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
-  DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
-  DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
-           " and ", b.device());
-  DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
-           b.scalar_type());
-  DX_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
-           b.sizes());
-  DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
-  return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
+// An optional vector argument of the GEMV ops (bias, norm_weight): none, or [n] bf16 contiguous on
+// x's device (16-byte aligned if the kernel reads it in vectors). Returns its pointer (nullptr for
+// none). Checked by hand, not with the DX_CHECK_* macros: the messages must say `name`, and `dim`
+// names n in them ("N", "K").
+static const __nv_bfloat16* check_gemv_vector(const std::optional<at::Tensor>& vec,
+                                              const char* name, const char* dim, int64_t n,
+                                              const at::Tensor& x, bool aligned16) {
+  if (!vec.has_value()) return nullptr;
+  const at::Tensor& v = *vec;
+  DX_CHECK(v.is_cuda(), name, " must be a CUDA tensor, got device ", v.device());
+  DX_CHECK(v.device() == x.device(), "x and ", name, " must be on the same device, got ",
+           x.device(), " and ", v.device());
+  DX_CHECK(v.scalar_type() == at::kBFloat16, name, " must have dtype ", at::kBFloat16, ", got ",
+           v.scalar_type());
+  DX_CHECK(v.dim() == 1 && v.size(0) == n, name, " must have shape [", dim, "] = [", n, "], got ",
+           v.sizes());
+  DX_CHECK(n <= 1 || v.stride(0) == 1, name, " must be contiguous, got strides ", v.strides());
+  DX_CHECK(!aligned16 || reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0, name,
+           " must be 16-byte aligned (its storage offset breaks vector loads)");
+  return reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
 }
 
+const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                                     int64_t N) {
+  return check_gemv_vector(bias, "bias", "N", N, x, /*aligned16=*/false);  // read per element
+}
+
+
 // Whether the memory spans of two tensors intersect (bytes from the first to past the last element).
-bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+static bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
   auto span = [](const at::Tensor& t) {
     int64_t last = 0;
@@ -609,22 +622,11 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
-  if (norm_weight.has_value()) {
-    const at::Tensor& w = *norm_weight;  // checked by hand: the messages must say "norm_weight"
-    const int64_t M = x.size(0), K = x.size(1);
-    DX_CHECK(w.is_cuda() && w.device() == x.device(), "norm_weight must be on x's device ",
-             x.device(), ", got ", w.device());
-    DX_CHECK(w.scalar_type() == at::kBFloat16, "norm_weight must have dtype ", at::kBFloat16,
-             ", got ", w.scalar_type());
-    DX_CHECK(w.dim() == 1 && w.size(0) == K, "norm_weight must have shape [K] = [", K, "], got ",
-             w.sizes());
-    DX_CHECK(K <= 1 || w.stride(0) == 1, "norm_weight must be contiguous, got strides ",
-             w.strides());
-    DX_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-             "norm_weight must be 16-byte aligned (its storage offset breaks vector loads)");
+  o.norm_weight = check_gemv_vector(norm_weight, "norm_weight", "K", x.size(1), x,
+                                    /*aligned16=*/true);  // read in 16 B vectors
+  if (o.norm_weight != nullptr) {
     DX_CHECK(std::isfinite(norm_eps) && norm_eps >= 0.0, "norm_eps must be finite and >= 0, got ",
              norm_eps);
-    o.norm_weight = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
     o.norm_eps = static_cast<float>(norm_eps);
   }
   return o;

@@ -1,5 +1,5 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, cp.async, the L2 bulk prefetch, and the tensor-core mma.
+// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, and the tensor-core mma.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -41,17 +41,6 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 #endif
-}
-
-// 16 bytes global -> shared without registers (cp.async, L2 only); cp_async_wait_all() waits for
-// this thread's copies (a barrier then publishes them to the block).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
 // 2 bytes at p (a coherent load: p may be written later by the same thread), or 0 when !pred.

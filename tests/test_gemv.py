@@ -332,7 +332,7 @@ def test_gemv_norm_weight_rejects():
     err(r"norm_weight must have dtype", norm_weight=nw.float())
     err(r"norm_weight must have shape \[K\] = \[64\]", norm_weight=nw[:56])
     err(r"norm_weight must have shape", norm_weight=nw[None])
-    err(r"norm_weight must be on", norm_weight=nw.cpu())
+    err(r"norm_weight must be a CUDA tensor", norm_weight=nw.cpu())
     err(r"norm_weight must be contiguous", norm_weight=torch.ones(128, device="cuda", dtype=torch.bfloat16)[::2])
     err(r"norm_weight must be 16-byte aligned", norm_weight=torch.ones(72, device="cuda", dtype=torch.bfloat16)[1:65])
     err(r"norm_eps must be finite and >= 0", norm_eps=-1.0)
