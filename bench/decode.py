@@ -93,8 +93,7 @@ def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads (the LM head once even when tied)."""
     total = model.final_norm.numel() + model.lm_head.numel()
     for layer in model.layers:
-        for t in (layer.input_norm, layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.post_norm,
-                  layer.gate_up_w, layer.down_w):
+        for t in (layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.gate_up_w, layer.down_w):
             if t is not None:
                 total += t.numel()
     return 2 * total
@@ -138,8 +137,9 @@ def decodex_case(model, batch: int, context: int) -> dict:
     assert runner.stats.decode_steps == WALL_STEPS, runner.stats
     wall_ms = runner.stats.ms_per_step()
     plan = {name: v for (m, name), v in runner.linear_plan.items() if m == n}
-    norms = {"+".join(c) or "none": round(ms, 3) for (m, c), ms in runner.norm_times_ms.items() if m == n}
-    plan["norm in gemv"] = f"{'+'.join(runner.norm_in_gemv[n]) or 'none'} (step ms with dead rows: {norms})"
+    if n in runner.rms_in_gemv:
+        times = {"+".join(c): round(ms, 3) for (m, c), ms in runner.rms_times_ms.items() if m == n}
+        plan["rms in gemv"] = f"{'+'.join(runner.rms_in_gemv[n])} (step ms with dead rows: {times})"
     del runner
     gc.collect()
     torch.cuda.empty_cache()

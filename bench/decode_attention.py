@@ -1,9 +1,12 @@
-"""decode_attention vs torch SDPA at batch 1, head dim 128, H = 6 * Hkv (Qwen2.5-1.5B's ratio).
+"""decode_attention vs torch SDPA at head dim 128, H = 6 * Hkv (Qwen2.5-1.5B's ratio): batch 1 over
+contexts and KV heads, and batches 8 and 64 at context 1024, Hkv 2 (the decode step of issue 5,
+where the splits are few and the combine kernel is a large share of the time; every sequence at
+the full context).
 
-Bytes moved: the K and V rows read, 2 * len * Hkv * D * 2 bytes (q, the partials and the output are
-noise next to them). Both ops run L2-cold in one CUDA graph over a rotating stack of caches
+Bytes moved: the K and V rows read, 2 * B * len * Hkv * D * 2 bytes (q, the partials and the output
+are noise next to them). Both ops run L2-cold in one CUDA graph over a rotating stack of caches
 (bench.common.copies_for), in the same run; the baseline is F.scaled_dot_product_attention with
-enable_gqa=True on q [1, H, 1, D] and the [1, Hkv, len, D] caches. % of bw is against the read
+enable_gqa=True on q [B, H, 1, D] and the [B, Hkv, len, D] caches. % of bw is against the read
 bandwidth measured in this run. "prefetch_cache us" passes prefetch_cache=True, as the decode graph
 does (the call before, another cache's, writes no row of this one): each call starts reading its
 cache while the call ahead drains. GB/s, % of bw and the ratio to SDPA are of that column.
@@ -23,24 +26,25 @@ CONTEXTS = [1024, 8192, 32768, 131072]
 KV_HEADS = [2, 4, 8]
 HEAD_DIM = 128
 GROUP = 6  # query heads per KV head
+BATCHED = [(8, 1024, 2), (64, 1024, 2)]  # (batch, context, KV heads)
 
-TITLE = "decode_attention (batch 1, D 128, H = 6 Hkv, L2-cold)"
+TITLE = "decode_attention (D 128, H = 6 Hkv, L2-cold)"
 HEADERS = ["shape", "decodex us", "prefetch_cache us", "SDPA us", "cache MB", "GB/s", "% of bw", "vs SDPA"]
 
 
-def _row(ctx: int, kv_heads: int, bw_gbs: float) -> list:
-    H, D = GROUP * kv_heads, HEAD_DIM
-    cache_bytes = 2 * ctx * kv_heads * D * 2
+def _row(ctx: int, kv_heads: int, bw_gbs: float, batch: int = 1) -> list:
+    B, H, D = batch, GROUP * kv_heads, HEAD_DIM
+    cache_bytes = 2 * B * ctx * kv_heads * D * 2
     n = copies_for(cache_bytes)
     dev, bf16 = "cuda", torch.bfloat16
-    qs = [torch.randn(1, H, D, device=dev, dtype=bf16) for _ in range(n)]
-    ks = [torch.randn(1, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
-    vs = [torch.randn(1, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
-    lengths = torch.full((1,), ctx, dtype=torch.int32, device=dev)
+    qs = [torch.randn(B, H, D, device=dev, dtype=bf16) for _ in range(n)]
+    ks = [torch.randn(B, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    vs = [torch.randn(B, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    splits = torch.ops.decodex.decode_attention_splits(1, kv_heads, ctx, sms)
-    ws = torch.empty(1, H, splits, D + 2, device=dev, dtype=torch.float32)
-    out = torch.empty(1, H, D, device=dev, dtype=bf16)
+    splits = torch.ops.decodex.decode_attention_splits(B, kv_heads, ctx, sms)
+    ws = torch.empty(B, H, splits, D + 2, device=dev, dtype=torch.float32)
+    out = torch.empty(B, H, D, device=dev, dtype=bf16)
     scale = 1.0 / math.sqrt(D)
 
     def ours(i, prefetch=False):
@@ -55,7 +59,7 @@ def _row(ctx: int, kv_heads: int, bw_gbs: float) -> list:
     ours(0)()
     want = sdpa(0)().squeeze(2)
     if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
-        print(f"WARNING: decodex and SDPA disagree at ctx {ctx}, Hkv {kv_heads}: max diff "
+        print(f"WARNING: decodex and SDPA disagree at B {B}, ctx {ctx}, Hkv {kv_heads}: max diff "
               f"{(out.float() - want.float()).abs().max().item():.3g}")
 
     plain = time_graph([ours(i) for i in range(n)])
@@ -64,7 +68,8 @@ def _row(ctx: int, kv_heads: int, bw_gbs: float) -> list:
     gbs = cache_bytes / us / 1e3
     del qs, ks, vs
     torch.cuda.empty_cache()
-    return [f"ctx {ctx} Hkv {kv_heads} H {H}", plain, us, sdpa_us, cache_bytes / 1e6, gbs,
+    shape = f"ctx {ctx} Hkv {kv_heads} H {H}"
+    return [shape if B == 1 else f"B {B} {shape}", plain, us, sdpa_us, cache_bytes / 1e6, gbs,
             100.0 * gbs / bw_gbs, f"{sdpa_us / us:.2f}x"]
 
 
@@ -73,7 +78,8 @@ def rows(bw_gbs: float | None = None) -> list[list]:
 
     if bw_gbs is None:
         bw_gbs = read_bandwidth_gbs()
-    return [_row(ctx, kv, bw_gbs) for kv in KV_HEADS for ctx in CONTEXTS]
+    batch_one = [_row(ctx, kv, bw_gbs) for kv in KV_HEADS for ctx in CONTEXTS]
+    return batch_one + [_row(ctx, kv, bw_gbs, batch=B) for B, ctx, kv in BATCHED]
 
 
 def main() -> None:

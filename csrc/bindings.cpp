@@ -18,15 +18,16 @@ TORCH_LIBRARY(decodex, m) {
   // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
   // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
   // (programmatic dependent launch); the decode graph sets it, since its weights never change.
-  // norm_weight [K] (all three GEMV ops): x's rows are first RMS-normalised with it and norm_eps,
-  // inside the kernel: the product is of rms_norm(x, norm_weight, norm_eps). accumulate (gemv): out += the product (bias included), the product
-  // rounded to bf16 first. x must not overlap out.
+  // rms_eps (all three GEMV ops): each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) +
+  // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
+  // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias
+  // included), the product rounded to bf16 first. x must not overlap out.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "Tensor? norm_weight=None, float norm_eps=0., bool accumulate=False) -> ()");
+        "float? rms_eps=None, bool accumulate=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
   m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "
-        "Tensor? norm_weight=None, float norm_eps=0.) -> ()");
+        "float? rms_eps=None) -> ()");
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.
@@ -39,7 +40,7 @@ TORCH_LIBRARY(decodex, m) {
   // equal to gemv + rope_append bit for bit; M <= 8.
   m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, "
         "Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False, "
-        "Tensor? norm_weight=None, float norm_eps=0.) -> ()");
+        "float? rms_eps=None) -> ()");
   // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.

@@ -19,11 +19,15 @@
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, keeping the next
 // tile's K and V loads in flight (two register buffers) while it computes the current one. The warps
 // of a block are merged through shared memory into one partial (o, m, l) per (b, head, split) in
-// the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. That kernel
-// is launched with programmatic dependent launch so its launch overlaps the first kernel's tail (it
-// executes griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph,
-// whose kernel ahead is the append of row lengths[b] - 1) the split kernel also issues its first
-// two tiles of K/V loads before its own wait, so the first DRAM round trip overlaps that kernel.
+// the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
+// block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 2 splits at
+// batch 64 on a 1K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
+// its share of the splits in chunks of 32 with an online rescale, keeping 8 rows of o loads in
+// flight, and the warps merge through shared memory. That kernel is launched with programmatic
+// dependent launch so its launch overlaps the first kernel's tail (it executes griddepcontrol.wait
+// before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
+// append of row lengths[b] - 1) the split kernel also issues its first two tiles of K/V loads
+// before its own wait, so the first DRAM round trip overlaps that kernel.
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
 // mostly from L2); real models have 1-8.
 //
@@ -57,8 +61,10 @@ constexpr int kTile = 16;                  // tokens per warp per step (the mma 
 constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N extent)
 constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
 constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks (2 blocks fit an SM)
-constexpr int kMaxSplits = 1024;           // bounds the combine kernel's shared weights
-constexpr int kCombineThreads = 256;
+constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
+constexpr int kCombineSplitsPerWarp = 16;  // combine: one warp per 16 splits ...
+constexpr int kCombineMaxWarps = 8;        // ... up to 8
+constexpr int kCombineBatch = 8;           // o rows a combine warp keeps in flight
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -316,69 +322,123 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   }
 }
 
-// Phase 2: grid (H, B, D / 32), kCombineThreads threads; block (head, b, slice) writes out[b, head,
-// 32*slice .. +32) = sum_s w_s o_s / sum_s w_s l_s with w_s = exp2(m_s - max m). Empty splits
-// (m = -inf) get weight 0 and their o (never written) is not loaded; all empty (length 0) -> zeros.
-// Two dependent passes over L2-resident partials: (m, l) of every split, one per thread, then the o
-// slice with each warp keeping several rows in flight.
+// Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
+// (head, b) writes out[b, head] = sum_s w_s o_s / sum_s w_s l_s, w_s = exp2(m_s - max m). Warp w
+// takes the splits w, w + W, w + 2W, ... in chunks of 32: lane j loads (m, l) of the chunk's j-th
+// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's o
+// rows are summed kCombineBatch at a time (their loads in flight together), each split's weight
+// broadcast from its lane. A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
+// rows are 8-byte aligned, not 16, and each float2 load of a row is one coalesced 256-byte access.
+// Empty splits (m = -inf) get weight 0 and their o (never written) is not loaded. The warps' states
+// then merge through shared memory with one barrier (none when W = 1), and warp 0 writes bf16; all
+// splits empty (length 0) -> zeros. The summation order depends only on splits: deterministic.
 template <int D>
-__global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kernel(
+__global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combine_kernel(
     const float* __restrict__ workspace,  // [B, H, splits_cap, D + 2]
     __nv_bfloat16* __restrict__ out,      // [B, H, D]
     int H, int splits, int splits_cap) {
   pdl_begin();  // phase 1 complete and visible
-  constexpr int kPerThread = kMaxSplits / kCombineThreads;
-  constexpr int kCombineWarps = kCombineThreads / 32;
-  __shared__ float sm_w[kMaxSplits];
-  __shared__ float sm_red[32];
-  __shared__ float sm_acc[kCombineWarps][32];
+  constexpr int kRow = D + 2;     // floats per partial: o[D], m, l
+  constexpr int kPairs = D / 64;  // float2 of o per lane
+  __shared__ float sm_m[kCombineMaxWarps], sm_l[kCombineMaxWarps];
+  __shared__ float2 sm_o[kCombineMaxWarps][D / 2];
 
-  const int head = blockIdx.x, b = blockIdx.y, dim = blockIdx.z * 32 + (threadIdx.x & 31);
-  const float* part = workspace + ((int64_t)b * H + head) * splits_cap * (D + 2);
+  const int head = blockIdx.x, b = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  const float* part = workspace + ((int64_t)b * H + head) * splits_cap * kRow;
+
+  float M = -INFINITY;  // max m over the warp's live chunks so far (log2 units)
+  float l = 0.f;        // lane j's share of the running sum: the j-th split of each chunk
+  float2 acc[kPairs];   // running sum of w_s o_s over the warp's splits, dims 2 lane + 64 i
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) acc[i] = make_float2(0.f, 0.f);
+
+  for (int first = warp; first < splits; first += 32 * W) {  // chunk: splits first + W j, j < 32
+    const int s = first + W * lane;
+    const float2 ml = s < splits ? *reinterpret_cast<const float2*>(part + (int64_t)s * kRow + D)
+                                 : make_float2(-INFINITY, 0.f);
+    const float chunk_max = warp_reduce(ml.x, Max{});
+    if (chunk_max == -INFINITY) continue;  // the whole chunk empty (the same in every lane)
+    const float M_new = fmaxf(M, chunk_max);
+    const float corr = exp2f(M - M_new);  // 0 on the warp's first live chunk (M = -inf)
+    const float w = exp2f(ml.x - M_new);  // 0 for an empty split and for s >= splits
+    M = M_new;
+    l = l * corr + w * ml.y;
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      acc[i].x *= corr;
+      acc[i].y *= corr;
+    }
+    const int n = min(32, (splits - first + W - 1) / W);  // splits in this chunk: lanes j < n
+    for (int j0 = 0; j0 < n; j0 += kCombineBatch) {
+      float wj[kCombineBatch];
+      float2 o[kCombineBatch][kPairs];
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) wj[k] = __shfl_sync(0xffffffffu, w, j0 + k);
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) {  // j0 + k >= n: wj[k] = 0, nothing loaded
+        const float* row = part + (int64_t)(first + W * (j0 + k)) * kRow + 2 * lane;
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i)
+                                 : make_float2(0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kCombineBatch; ++k) {
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          acc[i].x += wj[k] * o[k][i].x;
+          acc[i].y += wj[k] * o[k][i].y;
+        }
+      }
+    }
+  }
+  l = warp_reduce(l, Sum{});
+
+  // Merge the warps (a warp with no live split has M = -inf, l = 0, acc = 0: weight 0).
+  if (W > 1) {
+    if (lane == 0) {
+      sm_m[warp] = M;
+      sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) sm_o[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    M = sm_m[0];
+    for (int v = 1; v < W; ++v) M = fmaxf(M, sm_m[v]);
+    if (M != -INFINITY) {
+      l = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) acc[i] = make_float2(0.f, 0.f);
+      for (int v = 0; v < W; ++v) {
+        const float wt = exp2f(sm_m[v] - M);
+        l += wt * sm_l[v];
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          const float2 x = sm_o[v][lane + 32 * i];
+          acc[i].x += wt * x.x;
+          acc[i].y += wt * x.y;
+        }
+      }
+    }
+  }
+
   __nv_bfloat16* out_row = out + ((int64_t)b * H + head) * D;
+  const bool empty = M == -INFINITY;  // length 0: every split empty
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const float x = empty ? 0.f : acc[i].x / l, y = empty ? 0.f : acc[i].y / l;
+    *reinterpret_cast<__nv_bfloat162*>(out_row + 2 * lane + 64 * i) = __floats2bfloat162_rn(x, y);
+  }
+}
 
-  float m[kPerThread], l[kPerThread];
-  float M = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int s = threadIdx.x + i * kCombineThreads;
-    float2 ml = make_float2(-INFINITY, 0.f);
-    if (s < splits) ml = *reinterpret_cast<const float2*>(part + (int64_t)s * (D + 2) + D);
-    m[i] = ml.x;
-    l[i] = ml.y;
-    M = fmaxf(M, ml.x);
-  }
-  M = block_max(M, sm_red);
-  if (M == -INFINITY) {  // length 0: every split empty
-    if (threadIdx.x < 32) out_row[dim] = __float2bfloat16(0.f);
-    return;
-  }
-  float L = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int s = threadIdx.x + i * kCombineThreads;
-    const float w = m[i] == -INFINITY ? 0.f : exp2f(m[i] - M);
-    if (s < splits) sm_w[s] = w;
-    if (w != 0.f) L += w * l[i];
-  }
-  L = block_sum(L, sm_red);  // its barriers also publish sm_w
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float acc = 0.f;
-#pragma unroll 8
-  for (int s = warp; s < splits; s += kCombineWarps) {
-    const float w = sm_w[s];
-    const float o = w != 0.f ? part[(int64_t)s * (D + 2) + dim] : 0.f;
-    acc += w * o;
-  }
-  sm_acc[warp][lane] = acc;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) sum += sm_acc[w][lane];
-    out_row[dim] = __float2bfloat16(sum / L);
-  }
+// Warps of the combine block: one per kCombineSplitsPerWarp splits, 1 to kCombineMaxWarps. A
+// pure function of splits, so a captured graph's launch stays valid.
+int combine_warps(int64_t splits) {
+  return static_cast<int>(std::clamp<int64_t>(
+      (splits + kCombineSplitsPerWarp - 1) / kCombineSplitsPerWarp, 1, kCombineMaxWarps));
 }
 
 }  // namespace
@@ -503,8 +563,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     // The combine may launch while the split kernel drains (programmatic dependent launch).
     err = launch_pdl(
         decode_attention_combine_kernel<kD>,
-        dim3(static_cast<unsigned>(H), static_cast<unsigned>(B), kD / 32), dim3(kCombineThreads), 0,
-        stream, static_cast<const float*>(workspace.data_ptr<float>()),
+        dim3(static_cast<unsigned>(H), static_cast<unsigned>(B)), dim3(32 * combine_warps(splits)),
+        0, stream, static_cast<const float*>(workspace.data_ptr<float>()),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
         static_cast<int>(splits), static_cast<int>(workspace.size(2)));
     DX_CHECK_LAUNCHED(err, "decode_attention (combine)");

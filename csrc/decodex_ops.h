@@ -23,22 +23,23 @@ using T = at::Tensor;
 
 using OptT = std::optional<T>;
 
-// prefetch_weight, norm_weight / norm_eps, accumulate: see the schemas in csrc/bindings.cpp (the
-// weight is not written by the kernel just before this one on the stream; x is RMS-normalised
-// first; out += the product).
+using OptD = std::optional<double>;
+
+// prefetch_weight, rms_eps, accumulate: see the schemas in csrc/bindings.cpp (the weight is not
+// written by the kernel just before this one on the stream; each product row is scaled by
+// 1/rms(x row); out += the product).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
-                 bool prefetch_weight = false, const OptT& norm_weight = std::nullopt,
-                 double norm_eps = 0.0, bool accumulate = false) {
-  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, const OptT&, double,
-                                  bool)>("decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, norm_weight, norm_eps, accumulate);
+                 bool prefetch_weight = false, OptD rms_eps = std::nullopt,
+                 bool accumulate = false) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool)>(
+      "decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,
-                          const OptT& norm_weight = std::nullopt, double norm_eps = 0.0) {
-  static auto h = detail::op<void(const T&, const T&, T&, bool, const OptT&, double)>(
-      "decodex::gemv_silu_mul");
-  h.call(x, weight, out, prefetch_weight, norm_weight, norm_eps);
+                          OptD rms_eps = std::nullopt) {
+  static auto h = detail::op<void(const T&, const T&, T&, bool, OptD)>("decodex::gemv_silu_mul");
+  h.call(x, weight, out, prefetch_weight, rms_eps);
 }
 
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
@@ -59,12 +60,10 @@ inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& posi
 
 inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, const T& inv_freq,
                              const T& positions, T& out, T& k_cache, T& v_cache,
-                             bool prefetch_weight = false, const OptT& norm_weight = std::nullopt,
-                             double norm_eps = 0.0) {
+                             bool prefetch_weight = false, OptD rms_eps = std::nullopt) {
   static auto h = detail::op<void(const T&, const T&, const OptT&, const T&, const T&, T&, T&, T&,
-                                  bool, const OptT&, double)>("decodex::gemv_rope_append");
-  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, norm_weight,
-         norm_eps);
+                                  bool, OptD)>("decodex::gemv_rope_append");
+  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, rms_eps);
 }
 
 inline void silu_mul(const T& gate_up, T& out) {

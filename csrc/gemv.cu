@@ -31,12 +31,18 @@
 //    so a fused op equals gemv followed by the unfused op bit for bit. With accumulate (kStore),
 //    the lane that owns an output adds the rounded product to it: out += product, as an add after
 //    gemv would round it. The decode graph adds the o and down products into the residual so.
-//  * Norm prologue (norm_weight, kNorm): each block first computes 1/rms of the M rows of x (one
-//    round trip: the rows' few KB, from L2), and the main loop scales x by it and the norm weight
-//    as it loads them (both through L1), rounding as rms_norm does. That replaces an rms_norm
-//    kernel before the GEMV and its launch gap. Two versions that staged the normalised rows in
-//    shared memory were slower on the big shapes (bench/RESULTS.md, session 4): the shared memory
-//    they took came out of the L1 that holds the weight loads in flight.
+//  * RMS scale (rms_eps, kRms): out = (x . W^T) / rms(x), rms(x) = sqrt(mean(x^2) + eps) per row of
+//    x: the product of RMSNorm(x) whose weight the caller has folded into W's columns. The sums of
+//    squares come from the x fragments the main loop loads anyway, on the tensor cores: one more
+//    mma per half step with x as both operands (A rows g = x row g, rows g + 8 zero) puts
+//    sum_k x[n,k]^2 on the diagonal of its 16x8 result. Those mmas depend only on x and are issued
+//    before the weights' mmas, so they run while the warp waits for its weights (FMAs on unpacked
+//    bf16 after the mmas lengthened each trip, measurably at K = 3584).
+//    The diagonal is summed over the k-ranges with the dot products (same reduction, same order),
+//    so the norm costs no extra load, round trip or kernel; the epilogue scales each result before
+//    the bias. (An earlier prologue that
+//    normalised x first, one L2 round trip per block, was slower than an rms_norm kernel on the big
+//    shapes: bench/RESULTS.md, session 4.)
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
@@ -83,36 +89,6 @@ __device__ __forceinline__ uint4 as_uint4(const bf16x8& v) {
   return *reinterpret_cast<const uint4*>(&v);
 }
 
-// The norm prologue: 1/rms of each of the M rows of x; returns row min(g, M - 1)'s. Warp w sums the
-// squares of rows w, w + warps, ... over lane-strided 16 B vectors (kDepth loads in flight per
-// lane: one round trip for K <= 256 * kDepth), then one shuffle tree: the order depends on K only,
-// so every block (whatever its warps) gets the same bits. Call after griddepcontrol.wait.
-template <int M, int kDepth>
-__device__ __forceinline__ float rows_inv_rms(const __nv_bfloat16* __restrict__ x, int64_t ldx,
-                                              int K, float eps, int g) {
-  __shared__ float inv_rms[M];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int nvec = K / 8;
-  for (int m = warp; m < M; m += warps) {
-    const __nv_bfloat16* xr = x + m * ldx;
-    float sumsq = 0.f;
-    for (int v0 = 0; v0 < nvec; v0 += 32 * kDepth) {
-      uint4 buf[kDepth];
-#pragma unroll
-      for (int j = 0; j < kDepth; ++j) {
-        const int v = v0 + 32 * j + lane;
-        buf[j] = load16_cached(xr + 8 * v, v < nvec);  // absent vectors are zeros: add nothing
-      }
-#pragma unroll
-      for (int j = 0; j < kDepth; ++j) sumsq = add_squares8(as_bf16x8(buf[j]), sumsq);
-    }
-    sumsq = warp_reduce(sumsq, Sum{});
-    if (lane == 0) inv_rms[m] = rms_inv(sumsq, K, eps);
-  }
-  __syncthreads();
-  return inv_rms[min(g, M - 1)];
-}
-
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
 // ranges that split ceil(K/32) k-steps as evenly as integers allow.
@@ -135,7 +111,7 @@ __device__ __forceinline__ float rows_inv_rms(const __nv_bfloat16* __restrict__ 
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
-template <int M, int U, int kEpi, bool kNorm>
+template <int M, int U, int kEpi, bool kRms>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
             const __nv_bfloat16* __restrict__ weight,  // [N, ldw] ([2N, ldw] for kSiluMul)
@@ -143,12 +119,13 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            const __nv_bfloat16* __restrict__ norm_w,  // [K] (kNorm)
-            float norm_eps, bool accumulate, const RopeAppendArgs rope) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  __shared__ float red[kMaxWarps][4][32];  // per-warp partial sums, [warp][accumulator][lane]
+  // Per-warp partial sums, [warp][value][lane]: the 4 accumulators, then (kRms) the sum of squares.
+  constexpr int kSums = kRms ? 5 : 4;
+  __shared__ float red[kMaxWarps][kSums][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -192,19 +169,25 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // acc_lo: pairs 0,1 of each 16 B load; acc_hi: pairs 2,3. Fragment of d (per lane):
   // [0] = (row g, n 2t), [1] = (row g, n 2t+1), [2] = (row g+8, n 2t), [3] = (row g+8, n 2t+1).
   float acc_lo[4] = {0.f, 0.f, 0.f, 0.f}, acc_hi[4] = {0.f, 0.f, 0.f, 0.f};
-  float x_inv_rms = 1.f;  // kNorm: 1/rms of x row g (set after the wait)
+  // kRms: x . x^T of this warp's k-steps; lane (g, t) holds the diagonal entry of x row g in
+  // element g & 1 when t == g / 2 (the 16x8 result's layout, as for d above; rows g + 8 unused).
+  float ss[4] = {0.f, 0.f, 0.f, 0.f};
   auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
-    uint4 xv[U], nv[kNorm ? U : 1];
+    uint4 xv[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int k = (s + j) * kStepK + t * 8;
       const bool in = (s + j < s_end) && (k < K);
       xv[j] = load16_cached(xg + k, in && xok);
-      if constexpr (kNorm) nv[j] = load16_cached(norm_w + k, in && xok);
     }
-    if constexpr (kNorm) {  // rms_norm(x) on the fly, rounded as rms_norm rounds it (zeros stay 0)
+    // The squares first: x (from L1 or L2) arrives before the weights (from memory), so these
+    // mmas run while the warp waits for the weights. Absent x vectors are zeros: they add nothing.
+    if constexpr (kRms) {
 #pragma unroll
-      for (int j = 0; j < U; ++j) xv[j] = as_uint4(rms_scale8(as_bf16x8(xv[j]), as_bf16x8(nv[j]), x_inv_rms));
+      for (int j = 0; j < U; ++j) {
+        mma_bf16_16816(ss, xv[j].x, 0u, xv[j].y, 0u, xv[j].x, xv[j].y);
+        mma_bf16_16816(ss, xv[j].z, 0u, xv[j].w, 0u, xv[j].z, xv[j].w);
+      }
     }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -238,7 +221,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
                             tile_ok && n < M && row < N);
     }
   }
-  if constexpr (kNorm) x_inv_rms = rows_inv_rms<M, U == 8 ? 8 : 16>(x, ldx, K, norm_eps, g);
   if (s_begin < s_end) {
     if (!prefetch_weight) load_weights(wa0, wb0, s_begin);
     x_and_mma(wa0, wb0, s_begin);
@@ -248,19 +230,22 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     load_weights(wa, wb, s);
     x_and_mma(wa, wb, s);
   }
-  float r[4];
+  float r[kSums];
 #pragma unroll
   for (int i = 0; i < 4; ++i) r[i] = acc_lo[i] + acc_hi[i];
+  if constexpr (kRms) {  // the diagonal: x row g's sum of squares in lane 4g + g/2, else 0
+    r[4] = t == g / 2 ? ((g & 1) ? ss[1] : ss[0]) : 0.f;
+  }
 
   // Sum the wk k-ranges of each tile in the block (block-uniform branch).
   if (wk > 1) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][i][lane] = r[i];
+    for (int i = 0; i < kSums; ++i) red[warp][i][lane] = r[i];
     __syncthreads();
     if (lead) {
       for (int p = 1; p < wk; ++p) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] += red[warp + p][i][lane];
+        for (int i = 0; i < kSums; ++i) r[i] += red[warp + p][i][lane];
       }
     }
   }
@@ -272,14 +257,14 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     cg::cluster_group cluster = cg::this_cluster();
     if (lead) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp][i][lane] = r[i];
+      for (int i = 0; i < kSums; ++i) red[warp][i][lane] = r[i];
     }
     cluster.sync();  // every block's partials written and visible cluster-wide
     if (rank == 0 && lead) {
       for (int q = 1; q < c; ++q) {
         const float* remote = cluster.map_shared_rank(&red[warp][0][0], q);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] += remote[i * 32 + lane];
+        for (int i = 0; i < kSums; ++i) r[i] += remote[i * 32 + lane];
       }
     }
     cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
@@ -290,11 +275,21 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   }
   if (!lead || !tile_ok) return;
 
-  // Results are rounded to bf16 (after the bias) as gemv stores them before any epilogue math, so
-  // each fused op equals gemv followed by its unfused op bit for bit.
+  // kRms: r[i] belongs to x row n = 2t + (i & 1), whose sum of squares lane 4n + n/2 holds in r[4].
+  float inv_rms[2] = {1.f, 1.f};
+  if constexpr (kRms) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = min(2 * t + i, M - 1);
+      inv_rms[i] = rms_inv(__shfl_sync(0xffffffffu, r[4], 4 * n + n / 2), K, rms_eps);
+    }
+  }
+  // Results are rounded to bf16 (after the RMS scale and the bias) as gemv stores them before any
+  // epilogue math, so each fused op equals gemv followed by its unfused op bit for bit.
   auto stored = [&](int i, int row) {
-    float v = r[i];
-    if (bias != nullptr) v += __bfloat162float(bias[row]);
+    // Explicit roundings: no FMA contraction, which could differ between the epilogues' kernels.
+    float v = kRms ? __fmul_rn(r[i], inv_rms[i & 1]) : r[i];
+    if (bias != nullptr) v = __fadd_rn(v, __bfloat162float(bias[row]));
     return __bfloat162float(__float2bfloat16_rn(v));
   };
   if constexpr (kSilu) {
@@ -366,46 +361,40 @@ struct GemvConfig {
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, const __nv_bfloat16*, float, bool, const RopeAppendArgs);
+                            int, bool, float, bool, const RopeAppendArgs);
 
-// With the norm prologue and M > 1, U = 8 spills (the norm weight's vectors are live beside the
-// weights and x): those take the U = 4 kernel, which sums in the same order (U only unrolls).
-template <int M, int kEpi, bool kNorm>
+template <int M, int kEpi, bool kRms>
 GemvKernel kernel_for_m(int u) {
-  if constexpr (kNorm && M > 1) {
-    return gemv_kernel<M, 4, kEpi, kNorm>;
-  } else {
-    return u == 8 ? gemv_kernel<M, 8, kEpi, kNorm> : gemv_kernel<M, 4, kEpi, kNorm>;
-  }
+  return u == 8 ? gemv_kernel<M, 8, kEpi, kRms> : gemv_kernel<M, 4, kEpi, kRms>;
 }
 
-template <int kEpi, bool kNorm>
+template <int kEpi, bool kRms>
 GemvKernel kernel_for(int m, int u) {
   switch (m) {
-    case 1: return kernel_for_m<1, kEpi, kNorm>(u);
-    case 2: return kernel_for_m<2, kEpi, kNorm>(u);
-    case 3: return kernel_for_m<3, kEpi, kNorm>(u);
-    case 4: return kernel_for_m<4, kEpi, kNorm>(u);
-    case 5: return kernel_for_m<5, kEpi, kNorm>(u);
-    case 6: return kernel_for_m<6, kEpi, kNorm>(u);
-    case 7: return kernel_for_m<7, kEpi, kNorm>(u);
-    default: return kernel_for_m<8, kEpi, kNorm>(u);
+    case 1: return kernel_for_m<1, kEpi, kRms>(u);
+    case 2: return kernel_for_m<2, kEpi, kRms>(u);
+    case 3: return kernel_for_m<3, kEpi, kRms>(u);
+    case 4: return kernel_for_m<4, kEpi, kRms>(u);
+    case 5: return kernel_for_m<5, kEpi, kRms>(u);
+    case 6: return kernel_for_m<6, kEpi, kRms>(u);
+    case 7: return kernel_for_m<7, kEpi, kRms>(u);
+    default: return kernel_for_m<8, kEpi, kRms>(u);
   }
 }
 
-template <bool kNorm>
+template <bool kRms>
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
   switch (epi) {
     case GemvEpilogue::kSiluMul:
-      return kernel_for<static_cast<int>(GemvEpilogue::kSiluMul), kNorm>(m, u);
+      return kernel_for<static_cast<int>(GemvEpilogue::kSiluMul), kRms>(m, u);
     case GemvEpilogue::kRopeAppend:
-      return kernel_for<static_cast<int>(GemvEpilogue::kRopeAppend), kNorm>(m, u);
-    default: return kernel_for<static_cast<int>(GemvEpilogue::kStore), kNorm>(m, u);
+      return kernel_for<static_cast<int>(GemvEpilogue::kRopeAppend), kRms>(m, u);
+    default: return kernel_for<static_cast<int>(GemvEpilogue::kStore), kRms>(m, u);
   }
 }
 
-GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool norm) {
-  return norm ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
+GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool rms) {
+  return rms ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -572,31 +561,19 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out) {
            " for shape ", out.sizes());
 }
 
-// An optional vector argument of the GEMV ops (bias, norm_weight): none, or [n] bf16 contiguous on
-// x's device (16-byte aligned if the kernel reads it in vectors). Returns its pointer (nullptr for
-// none). Checked by hand, not with the DX_CHECK_* macros: the messages must say `name`, and `dim`
-// names n in them ("N", "K").
-static const __nv_bfloat16* check_gemv_vector(const std::optional<at::Tensor>& vec,
-                                              const char* name, const char* dim, int64_t n,
-                                              const at::Tensor& x, bool aligned16) {
-  if (!vec.has_value()) return nullptr;
-  const at::Tensor& v = *vec;
-  DX_CHECK(v.is_cuda(), name, " must be a CUDA tensor, got device ", v.device());
-  DX_CHECK(v.device() == x.device(), "x and ", name, " must be on the same device, got ",
-           x.device(), " and ", v.device());
-  DX_CHECK(v.scalar_type() == at::kBFloat16, name, " must have dtype ", at::kBFloat16, ", got ",
-           v.scalar_type());
-  DX_CHECK(v.dim() == 1 && v.size(0) == n, name, " must have shape [", dim, "] = [", n, "], got ",
-           v.sizes());
-  DX_CHECK(n <= 1 || v.stride(0) == 1, name, " must be contiguous, got strides ", v.strides());
-  DX_CHECK(!aligned16 || reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0, name,
-           " must be 16-byte aligned (its storage offset breaks vector loads)");
-  return reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
-}
-
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N) {
-  return check_gemv_vector(bias, "bias", "N", N, x, /*aligned16=*/false);  // read per element
+  if (!bias.has_value()) return nullptr;
+  const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
+  DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
+  DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
+           " and ", b.device());
+  DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
+           b.scalar_type());
+  DX_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [N] = [", N, "], got ",
+           b.sizes());
+  DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
+  return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
 }
 
 
@@ -615,19 +592,17 @@ static bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
 }
 
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
-                         bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-                         double norm_eps, bool accumulate) {
+                         bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
   DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",
            "kernel reads x while it writes out)");
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
-  o.norm_weight = check_gemv_vector(norm_weight, "norm_weight", "K", x.size(1), x,
-                                    /*aligned16=*/true);  // read in 16 B vectors
-  if (o.norm_weight != nullptr) {
-    DX_CHECK(std::isfinite(norm_eps) && norm_eps >= 0.0, "norm_eps must be finite and >= 0, got ",
-             norm_eps);
-    o.norm_eps = static_cast<float>(norm_eps);
+  if (rms_eps.has_value()) {
+    DX_CHECK(std::isfinite(*rms_eps) && *rms_eps >= 0.0, "decodex::", op,
+             ": rms_eps must be finite and >= 0, got ", *rms_eps);
+    o.rms = true;
+    o.rms_eps = static_cast<float>(*rms_eps);
   }
   return o;
 }
@@ -663,8 +638,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
   launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
-  const bool norm = options.norm_weight != nullptr;
-  const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, norm);
+  const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, options.rms);
   launch.dynamicSmemBytes = 0;
   launch.stream = current_stream();
   // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
@@ -697,7 +671,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
-      options.prefetch_weight, options.norm_weight, options.norm_eps, options.accumulate, rope);
+      options.prefetch_weight, options.rms_eps, options.accumulate, rope);
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -708,28 +682,26 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-          double norm_eps, bool accumulate) {
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
   check_gemv_x_weight("gemv", x, weight, out);
   const int64_t M = x.size(0), N = weight.size(0);
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   const GemvOptions options =
-      gemv_options("gemv", x, out, prefetch_weight, norm_weight, norm_eps, accumulate);
+      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
   launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-                   double norm_eps) {
+                   bool prefetch_weight, std::optional<double> rms_eps) {
   check_gemv_x_weight("gemv_silu_mul", x, weight, out);
   const int64_t M = x.size(0), rows = weight.size(0);
   DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   const GemvOptions options =
-      gemv_options("gemv_silu_mul", x, out, prefetch_weight, norm_weight, norm_eps);
+      gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps);
   if (rows == 0) return;
   launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
 }

@@ -28,12 +28,12 @@ struct RopeAppendArgs {
 
 // The options every GEMV op takes (the schema arguments of the same names, see bindings.cpp).
 struct GemvOptions {
-  // The kernel just before on the stream writes neither the weight nor norm_weight: the GEMV may
-  // load its first weights before that kernel has finished (see gemv.cu).
+  // The kernel just before on the stream does not write the weight: the GEMV may load its first
+  // weights before that kernel has finished (see gemv.cu).
   bool prefetch_weight = false;
-  // [K] or nullptr: each row of x is RMS-normalised with it first (rms_norm(x, norm_weight, eps)).
-  const __nv_bfloat16* norm_weight = nullptr;
-  float norm_eps = 0.f;
+  // Each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the bias.
+  bool rms = false;
+  float rms_eps = 0.f;
   // kStore only: out += the product (rounded to bf16 first, as gemv then an add would round).
   bool accumulate = false;
 };
@@ -46,11 +46,11 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 // bias: none, or [N] bf16 contiguous on x's device; returns its pointer (nullptr for none).
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N);
-// The options from the schema arguments: norm_weight none, or [K] bf16 contiguous on x's device,
-// and x must not overlap out (the kernel reads x while other blocks write out).
+// The options from the schema arguments: rms_eps none or finite and >= 0, and x must not overlap
+// out (the kernel reads x while other blocks write out).
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
-                         bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-                         double norm_eps, bool accumulate = false);
+                         bool prefetch_weight, std::optional<double> rms_eps,
+                         bool accumulate = false);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,

@@ -6,11 +6,9 @@
 namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-          double norm_eps, bool accumulate);
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, const std::optional<at::Tensor>& norm_weight,
-                   double norm_eps);
+                   bool prefetch_weight, std::optional<double> rms_eps);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps, at::Tensor& out);
@@ -19,8 +17,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
-                      at::Tensor& v_cache, bool prefetch_weight,
-                      const std::optional<at::Tensor>& norm_weight, double norm_eps);
+                      at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps);
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,

@@ -2,12 +2,12 @@
 
 One decode step for a batch of rows is a fixed sequence of kernels on preallocated buffers:
 
-    embed (into the residual) -> per layer [gemv_rope_append (the qkv gemv (+bias) of the
-    input-normed residual, the RMSNorm in its prologue or a kernel before it; RoPE and the cache
-    append at the device-side position in its epilogue) -> decode_attention (over the device-side
-    length) -> o gemv adding into the residual (accumulate) -> rms_norm -> gemv_silu_mul (the
-    gate|up gemv, SiLU*up in its epilogue) -> down gemv adding into the residual] -> rms_norm
-    (final norm) -> lm_head gemv -> argmax | sample -> advance_positions
+    embed (into the residual) -> per layer [gemv_rope_append (the qkv gemv (+bias) of the residual,
+    RMS-normalised inside the GEMV (rms_eps); RoPE and the cache append at the device-side position
+    in its epilogue) -> decode_attention (over the device-side length) -> o gemv adding into the
+    residual (accumulate) -> gemv_silu_mul (the gate|up gemv of the RMS-normalised residual, SiLU*up
+    in its epilogue) -> down gemv adding into the residual] -> rms_norm (final norm) -> lm_head gemv
+    -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -45,11 +45,13 @@ Choices, and why:
 - Two graphs per size, greedy (argmax) and sampling (sample, whose temperature-0 rows take the
   argmax too): the greedy graph is used whenever every live row is greedy, so plain decoding never
   pays for the sampling kernel's histogram pass. Each is captured only if used.
-- The residual adds live in the o and down GEMVs (accumulate), and the input norm of the qkv
-  product in its GEMV (norm_weight) where that measured faster at the graph's first capture
-  (NORM_CHOICES): each kernel boundary is a launch gap and a round trip to memory. The other norms
-  are rms_norm kernels. Where a product runs on cuBLAS (graphs of more than 8 rows), its output
-  waits in `delta` and the next norm is a fused_add_rms_norm kernel, as before.
+- The residual adds live in the o and down GEMVs (accumulate), and a layer's two norms in the qkv
+  and gate|up GEMVs (rms_eps; the model folded their weights into those products) where that
+  measured faster at the graph's first capture (RMS_CHOICES): each kernel boundary is a launch gap
+  and a round trip to memory, so a layer is 6 kernels (4 GEMVs, the attention's two) or 7. A norm
+  not in a GEMV is an rms_norm kernel of unit weight into `hidden`; where a product runs on cuBLAS
+  (graphs of more than 8 rows), its output waits in `delta` and the next norm is a
+  fused_add_rms_norm kernel.
 - First layer: the embedding is gathered straight into the residual buffer (the eager model adds
   it to a zero residual: the same values).
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
@@ -76,11 +78,11 @@ from decodex import _ext, reference
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
-# Which products' GEMVs RMS-normalise their own input (norm_weight), tried per graph size at its
-# first capture; the fastest step is kept (Qwen2.5-1.5B at batch 1: qkv; -7B: none; bench/RESULTS.md,
-# session 4). The gate|up and lm_head GEMVs' prologue measured slower than an rms_norm kernel at
-# every shape and batch, so they are not tried.
-NORM_CHOICES = (("qkv",), ())
+# Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
+# rows at its first capture; the fastest step is kept. Qwen2.5-1.5B keeps both, Qwen2.5-7B only
+# qkv: its gate|up GEMV with the norm measured slower in the step than an rms_norm kernel before it
+# (bench/RESULTS.md, session 5).
+RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 
 
@@ -459,7 +461,7 @@ class CudaGraphRunner(HostLoop):
             self.cache = model.new_cache(B, capacity)  # k/v[layer]: [B, Hkv, S, D]
             # Step intermediates.
             self.residual = zeros(B, Hd)  # [B, Hd] the residual stream
-            self.hidden = zeros(B, Hd)  # [B, Hd] normed input of a product without the norm prologue
+            self.hidden = zeros(B, Hd)  # [B, Hd] the normed residual, for products on cuBLAS and lm_head
             self.delta = zeros(B, Hd)  # [B, Hd] a cuBLAS o / down output, added by the next norm
             self.qkv = zeros(B, (H + 2 * Hkv) * D)  # [B, (H+2Hkv)*D] rows: q | k | v
             self.attn = zeros(B, H * D)  # [B, H*D]
@@ -480,8 +482,8 @@ class CudaGraphRunner(HostLoop):
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
         self.num_captures = 0
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
-        self.norm_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
-        self.norm_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what that choice measured
+        self.rms_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
+        self.rms_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what each choice measured
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 
@@ -507,29 +509,32 @@ class CudaGraphRunner(HostLoop):
         8-row chunks; the only choice up to 8 rows) or "cublas"."""
         return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
 
-    def _normed(self, n: int, name: str, norm):
-        """The input of product `name`, rms_norm(residual, norm), as (x, norm_weight): (residual,
-        norm) when that product's GEMV normalises in its prologue, else (hidden, None) after a
-        norm kernel (fused_add_rms_norm when a cuBLAS product still waits in delta)."""
+    def _normed(self, n: int, name: str, weight=None):
+        """The input of product `name`, rms_norm(residual, weight), as (x, rms_eps) for the product:
+        (residual, eps) when the norm's weight is folded into the product's (weight None) and its
+        GEMV normalises x itself; else (hidden, None) after a norm kernel (fused_add_rms_norm when a
+        cuBLAS product still waits in delta; unit weight when folded)."""
         ops = torch.ops.decodex
         residual, hidden = self.residual[:n], self.hidden[:n]
+        if (weight is None and not self._pending_delta and self._plan(n, name) == "gemv8"
+                and name in self.rms_in_gemv.get(n, RMS_CHOICES[0])):
+            return residual, self.eps
+        weight = self.model.unit_norm if weight is None else weight
         if self._pending_delta:
-            ops.fused_add_rms_norm(self.delta[:n], residual, norm, self.eps, hidden)
+            ops.fused_add_rms_norm(self.delta[:n], residual, weight, self.eps, hidden)
             self._pending_delta = False
-        elif name in self.norm_in_gemv.get(n, ()) and self._plan(n, name) == "gemv8":
-            return residual, norm
         else:
-            ops.rms_norm(residual, norm, self.eps, hidden)
+            ops.rms_norm(residual, weight, self.eps, hidden)
         return hidden, None
 
-    def _linear(self, n: int, name: str, x, w, b, out, norm=None) -> None:
-        """out[n, N] = x[n, K] @ w[N, K]^T (+ b); x RMS-normed with `norm` first if given (gemv8)."""
+    def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
+        """out[n, N] = x[n, K] @ w[N, K]^T (+ b), scaled by 1/rms(x) if rms_eps is given (gemv8)."""
         if self._plan(n, name) == "cublas":
             _cublas_linear(x, w, b, out)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS],
-                                       prefetch_weight=True, norm_weight=norm, norm_eps=self.eps)
+                                       prefetch_weight=True, rms_eps=rms_eps)
 
     def _add_product(self, n: int, name: str, x, w, b) -> None:
         """residual[n] += x @ w^T (+ b): gemv with accumulate, or cuBLAS into delta, which the next
@@ -543,8 +548,8 @@ class CudaGraphRunner(HostLoop):
                 torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, residual[r: r + GEMV_MAX_ROWS],
                                        prefetch_weight=True, accumulate=True)
 
-    def _qkv_rope(self, n: int, x, norm, layer, k_cache, v_cache) -> None:
-        """qkv[n] = x @ qkv_w^T (+ qkv_b) (x RMS-normed with `norm` first if given) with q and k
+    def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache) -> None:
+        """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
         cuBLAS then rope_append."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
@@ -557,18 +562,19 @@ class CudaGraphRunner(HostLoop):
                 s = slice(r, r + GEMV_MAX_ROWS)
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
                                                    qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
-                                                   norm_weight=norm, norm_eps=self.eps)
+                                                   rms_eps=rms_eps)
 
-    def _gate_up_silu(self, n: int, x, norm, w, act) -> None:
-        """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (x
-        RMS-normed with `norm` first if given): gemv_silu_mul, or cuBLAS then silu_mul."""
+    def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
+        """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
+        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or cuBLAS then
+        silu_mul."""
         if self._plan(n, "gate_up") == "cublas":
             _cublas_linear(x, w, None, self.gate_up[:n])
             torch.ops.decodex.silu_mul(self.gate_up[:n], act)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],
-                                                prefetch_weight=True, norm_weight=norm, norm_eps=self.eps)
+                                                prefetch_weight=True, rms_eps=rms_eps)
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""
@@ -582,17 +588,17 @@ class CudaGraphRunner(HostLoop):
         torch.index_select(m.embed, 0, tokens, out=self.residual[:n])  # [n, Hd]
         for i, layer in enumerate(m.layers):
             k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
-            x, norm = self._normed(n, "qkv", layer.input_norm)
-            self._qkv_rope(n, x, norm, layer, k_cache, v_cache)  # q, k rotated; k, v appended
+            x, rms_eps = self._normed(n, "qkv")  # the input norm: folded into qkv_w
+            self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache)  # q, k rotated; k, v appended
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
             # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.
             ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
             self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None))
-            x, norm = self._normed(n, "gate_up", layer.post_norm)
-            self._gate_up_silu(n, x, norm, layer.gate_up_w, act)
+            x, rms_eps = self._normed(n, "gate_up")  # the post-attention norm: folded into gate_up_w
+            self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)
             self._add_product(n, "down", act, layer.down_w, None)
-        x, norm = self._normed(n, "lm_head", m.final_norm)
-        self._linear(n, "lm_head", x, m.lm_head, None, logits, norm)
+        x, _ = self._normed(n, "lm_head", m.final_norm)
+        self._linear(n, "lm_head", x, m.lm_head, None, logits)
         if greedy:
             ops.argmax(logits, tokens)
         else:
@@ -630,23 +636,23 @@ class CudaGraphRunner(HostLoop):
             self.lengths.copy_(saved[2])
 
     def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        """The graph of a step over n rows. At a size's first capture the step is captured once per
-        NORM_CHOICES entry and the one whose replays are fastest is kept (and its choice reused for
-        the other greedy flag)."""
+        """The graph of a step over n rows. At a size's first capture (of at most 8 rows: larger
+        ones run their norms as kernels anyway) the step is captured once per RMS_CHOICES entry and
+        the one whose replays are fastest is kept (its choice reused for the other greedy flag)."""
         if n not in self.sizes:
             raise ValueError(f"graph size {n} is not one of {self.sizes}")
         self.num_captures += 1  # graphs kept (the trial captures of a choice count as one)
-        if n in self.norm_in_gemv:
+        if n in self.rms_in_gemv or n > GEMV_MAX_ROWS:
             return self._capture_as_chosen(n, greedy)
         best = None
-        for choice in NORM_CHOICES:
-            self.norm_in_gemv[n] = choice
+        for choice in RMS_CHOICES:
+            self.rms_in_gemv[n] = choice
             graph = self._capture_as_chosen(n, greedy)
             ms = self._replay_ms(graph)
-            self.norm_times_ms[(n, choice)] = ms
+            self.rms_times_ms[(n, choice)] = ms
             if best is None or ms < best[0]:
                 best = (ms, choice, graph)
-        self.norm_in_gemv[n] = best[1]
+        self.rms_in_gemv[n] = best[1]
         return best[2]
 
     def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
@@ -684,7 +690,7 @@ class CudaGraphRunner(HostLoop):
     def _plan_linears(self, n: int) -> None:
         """For a graph of n > 8 rows: per product, time cuBLAS over all n rows against decodex's
         GEMV kernels over 8-row chunks (all layers' weights of that shape, so L2-cold; each with its
-        fused epilogue or its separate rope_append / silu_mul, and its input norm: in the prologue
+        fused epilogue or its separate rope_append / silu_mul, and its input norm: inside the GEMV
         or an rms_norm kernel) and keep the faster. Runs once per
         graph size on the current (capture) stream, before capture, with every row dead (nothing
         is appended to the cache)."""
@@ -696,14 +702,14 @@ class CudaGraphRunner(HostLoop):
             product(*self._normed(n, name, norm))
 
         runs = {  # name -> (calls per step, one step's worth of that product, with its input norm)
-            "qkv": (len(L), lambda: [normed_then("qkv", l.input_norm, lambda x, nw, l=l, i=i: self._qkv_rope(
-                n, x, nw, l, self.cache.k[i][:n], self.cache.v[i][:n])) for i, l in enumerate(L)]),
+            "qkv": (len(L), lambda: [normed_then("qkv", None, lambda x, e, l=l, i=i: self._qkv_rope(
+                n, x, e, l, self.cache.k[i][:n], self.cache.v[i][:n])) for i, l in enumerate(L)]),
             "o": (len(L), lambda: [self._add_product(n, "o", attn, l.o_w, getattr(l, "o_b", None)) for l in L]),
-            "gate_up": (len(L), lambda: [normed_then("gate_up", l.post_norm, lambda x, nw, l=l: self._gate_up_silu(
-                n, x, nw, l.gate_up_w, act)) for l in L]),
+            "gate_up": (len(L), lambda: [normed_then("gate_up", None, lambda x, e, l=l: self._gate_up_silu(
+                n, x, e, l.gate_up_w, act)) for l in L]),
             "down": (len(L), lambda: [self._add_product(n, "down", act, l.down_w, None) for l in L]),
-            "lm_head": (1, lambda: normed_then("lm_head", m.final_norm, lambda x, nw: self._linear(
-                n, "lm_head", x, m.lm_head, None, self.logits[:n], nw))),
+            "lm_head": (1, lambda: normed_then("lm_head", m.final_norm, lambda x, e: self._linear(
+                n, "lm_head", x, m.lm_head, None, self.logits[:n], e))),
         }
         for name, (calls, run) in runs.items():
             times = {}

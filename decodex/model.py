@@ -1,6 +1,13 @@
 """The Qwen2 / Llama decoder as one layer loop, with weights merged where a kernel reads them together
 (q|k|v rows in one matrix, gate|up rows in another), and a static KV cache.
 
+The weight of each layer's two RMSNorms is folded into the product after it (decodex.reference.
+fold_norm_weight: qkv_w's columns scaled by input_layernorm.weight, gate_up_w's by
+post_attention_layernorm.weight), so those norms have unit weight: rms_norm(x, w) @ W^T =
+rms_norm(x, 1) @ (W * w)^T. That lets the decode GEMVs normalise their input themselves
+(gemv(..., rms_eps)) with no norm weight to read. The final norm keeps its weight (the LM head may be
+the embedding tensor).
+
 Two paths run the same loop on the same tensors:
 - reference (CPU, or any device without the kernels): decodex.reference ops, fp32 math; the
   source of truth that the tests compare with transformers.
@@ -30,12 +37,10 @@ GEMV_MAX_ROWS = 8  # the gemv kernel's limit on M; more rows go to cuBLAS
 
 @dataclass
 class Layer:
-    input_norm: torch.Tensor  # [Hd]
-    qkv_w: torch.Tensor  # [(H + 2*Hkv) * D, Hd]  rows: q, then k, then v
+    qkv_w: torch.Tensor  # [(H + 2*Hkv) * D, Hd]  rows: q, then k, then v; input_layernorm folded in
     qkv_b: torch.Tensor | None  # [(H + 2*Hkv) * D]  (Qwen2; Llama with attention_bias)
     o_w: torch.Tensor  # [Hd, H*D]
-    post_norm: torch.Tensor  # [Hd]
-    gate_up_w: torch.Tensor  # [2*I, Hd]  rows: gate, then up
+    gate_up_w: torch.Tensor  # [2*I, Hd]  rows: gate, then up; post_attention_layernorm folded in
     down_w: torch.Tensor  # [Hd, I]
     o_b: torch.Tensor | None = None  # [Hd]  only Llama with attention_bias=True has it
 
@@ -58,20 +63,24 @@ class _ReferenceOps:
     """decodex.reference: fp32 math, results rounded to the input dtype."""
 
     @staticmethod
-    def linear(x, w, b=None):  # x [M, K] @ w [N, K]^T (+ b [N]) -> [M, N]
-        return reference.gemv(x, w, b)
+    def linear(x, w, b=None, rms_eps=None):  # x [M, K] @ w [N, K]^T (/ rms(x)) (+ b [N]) -> [M, N]
+        return reference.gemv(x, w, b, rms_eps=rms_eps)
 
     @staticmethod
-    def add_norm(x, residual, w, eps):  # residual += x; returns (rms_norm(residual), residual)
-        return reference.fused_add_rms_norm(x, residual, w, eps)
+    def add(residual, x):  # residual + x, rounded to its dtype
+        return (residual.float() + x.float()).to(residual.dtype)
+
+    @staticmethod
+    def rms_norm(x, w, eps):
+        return reference.rms_norm(x, w, eps)
 
     @staticmethod
     def silu_mul(gate_up):  # [M, 2I] -> [M, I]
         return reference.silu_mul(gate_up)
 
     @classmethod
-    def gate_up_silu(cls, x, w):  # x [M, K], w [2I, K] = [gate; up] -> silu(x gate^T) * x up^T
-        return cls.silu_mul(cls.linear(x, w))
+    def gate_up_silu(cls, x, w, rms_eps=None):  # w [2I, K] = [gate; up] -> silu(x gate^T) * x up^T
+        return cls.silu_mul(cls.linear(x, w, rms_eps=rms_eps))
 
 
 class _ReferenceRowOps(_ReferenceOps):
@@ -80,26 +89,37 @@ class _ReferenceRowOps(_ReferenceOps):
     what else is in the batch, and batch decode equals single decode bit for bit."""
 
     @staticmethod
-    def linear(x, w, b=None):
-        return torch.cat([reference.gemv(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    def linear(x, w, b=None, rms_eps=None):
+        return torch.cat([reference.gemv(x[i:i + 1], w, b, rms_eps=rms_eps) for i in range(x.shape[0])])
 
 
 class _KernelOps:
-    """torch.ops.decodex kernels (bf16, CUDA); cuBLAS for GEMMs with more rows than gemv takes."""
+    """torch.ops.decodex kernels (bf16, CUDA); cuBLAS for GEMMs with more rows than gemv takes
+    (after an rms_norm kernel of unit weight where the GEMV would scale by 1/rms). For <= 8 rows
+    these are the decode graph's kernels on the same inputs, so eager and graph decode agree bit
+    for bit."""
 
-    @staticmethod
-    def linear(x, w, b=None):
+    @classmethod
+    def _normed(cls, x, rms_eps):  # rms_norm(x, 1), the input cuBLAS gets where the GEMV would scale
+        return cls.rms_norm(x, torch.ones(x.shape[1], dtype=x.dtype, device=x.device), rms_eps)
+
+    @classmethod
+    def linear(cls, x, w, b=None, rms_eps=None):
         if x.shape[0] > GEMV_MAX_ROWS:
-            return F.linear(x, w, b)
+            return F.linear(x if rms_eps is None else cls._normed(x, rms_eps), w, b)
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        torch.ops.decodex.gemv(x, w, b, out)
+        torch.ops.decodex.gemv(x, w, b, out, rms_eps=rms_eps)
         return out
 
     @staticmethod
-    def add_norm(x, residual, w, eps):
+    def add(residual, x):  # torch's bf16 add: the fp32 sum rounded once, as gemv(accumulate) rounds
+        return residual + x
+
+    @staticmethod
+    def rms_norm(x, w, eps):
         out = torch.empty_like(x)
-        torch.ops.decodex.fused_add_rms_norm(x, residual, w, eps, out)  # residual updated in place
-        return out, residual
+        torch.ops.decodex.rms_norm(x, w, eps, out)
+        return out
 
     @staticmethod
     def silu_mul(gate_up):
@@ -109,11 +129,11 @@ class _KernelOps:
         return out
 
     @classmethod
-    def gate_up_silu(cls, x, w):
+    def gate_up_silu(cls, x, w, rms_eps=None):
         if x.shape[0] > GEMV_MAX_ROWS:
-            return cls.silu_mul(F.linear(x, w))
+            return cls.silu_mul(F.linear(x if rms_eps is None else cls._normed(x, rms_eps), w))
         out = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
-        torch.ops.decodex.gemv_silu_mul(x, w, out)
+        torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=rms_eps)
         return out
 
 
@@ -137,11 +157,17 @@ class Model:
         def w(name):  # copy to the device first, then cast there (faster than casting on the CPU)
             return weights[name].to(self.device).to(self.dtype).contiguous()
 
-        def cat(*names):
+        def cat(*names, norm):  # rows of several tensors, with the norm weight `norm` folded in
+            rows = torch.cat([weights[n].to(self.device) for n in names], dim=0)
+            return reference.fold_norm_weight(rows.float(), weights[norm].to(self.device)).to(self.dtype).contiguous()
+
+        def cat_bias(*names):
             return torch.cat([w(n) for n in names], dim=0)
 
         self.embed = w("model.embed_tokens.weight")  # [V, Hd]
         self.final_norm = w("model.norm.weight")  # [Hd]
+        # [Hd] ones: the weight of a folded norm where a norm kernel still runs (decode graphs on cuBLAS)
+        self.unit_norm = torch.ones(c.hidden_size, dtype=self.dtype, device=self.device)
         # Tied (Llama 3.2, small Qwen2): the LM head IS the embedding tensor. An lm_head.weight stored
         # anyway is used only if it differs, as transformers 5 does (it then declines to tie).
         self.lm_head = self.embed  # [V, Hd]
@@ -157,12 +183,12 @@ class Model:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append(Layer(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv_w=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                qkv_b=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if c.attention_bias else None,
+                qkv_w=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                          norm=p + "input_layernorm.weight"),
+                qkv_b=cat_bias(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if c.attention_bias else None,
                 o_w=w(a + "o_proj.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                              norm=p + "post_attention_layernorm.weight"),
                 down_w=w(p + "mlp.down_proj.weight"),
                 o_b=w(a + "o_proj.bias") if c.attention_bias and c.model_type == "llama" else None,
             ))
@@ -191,21 +217,17 @@ class Model:
         c = self.config
         H, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         M = tokens.shape[0]
-        x = F.embedding(tokens, self.embed)  # [M, Hd]
-        # The residual stream starts at zero so every layer opens with the same fused add + norm
-        # (0 + x is exact in any dtype).
-        residual = torch.zeros_like(x)  # [M, Hd]
-        delta = x  # what the next norm adds into the residual
+        residual = F.embedding(tokens, self.embed)  # [M, Hd]
         for i, layer in enumerate(self.layers):
-            h, residual = ops.add_norm(delta, residual, layer.input_norm, eps)  # [M, Hd]
-            qkv = ops.linear(h, layer.qkv_w, layer.qkv_b)  # [M, (H + 2*Hkv) * D]
+            # The norms' weights are folded into qkv_w and gate_up_w: those products take the
+            # residual itself and scale by 1/rms (rms_eps), as the decode GEMVs do.
+            qkv = ops.linear(residual, layer.qkv_w, layer.qkv_b, rms_eps=eps)  # [M, (H + 2*Hkv) * D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             attn = attend(i, q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D))  # [M, H*D]
-            attn = ops.linear(attn, layer.o_w, layer.o_b)  # [M, Hd]
-            h, residual = ops.add_norm(attn, residual, layer.post_norm, eps)  # [M, Hd]
-            act = ops.gate_up_silu(h, layer.gate_up_w)  # [M, I] = silu(gate) * up
-            delta = ops.linear(act, layer.down_w)  # [M, Hd]
-        h, _ = ops.add_norm(delta, residual, self.final_norm, eps)  # [M, Hd]
+            residual = ops.add(residual, ops.linear(attn, layer.o_w, layer.o_b))  # [M, Hd]
+            act = ops.gate_up_silu(residual, layer.gate_up_w, rms_eps=eps)  # [M, I] = silu(gate) * up
+            residual = ops.add(residual, ops.linear(act, layer.down_w))  # [M, Hd]
+        h = ops.rms_norm(residual, self.final_norm, eps)  # [M, Hd]
         return ops.linear(h, self.lm_head).float()  # [M, V]
 
     # ---- prefill: the whole prompt of one sequence -----------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from decodex import _ext
+from decodex import _ext, reference
 
 ops = torch.ops.decodex if _ext.available() else None
 
@@ -26,36 +26,38 @@ def _require():
         raise RuntimeError(_ext.why_unavailable())
 
 
+# rms_norm(x, w, eps) @ W^T as one GEMV: gemv(x, fold_norm_weight(W, w), rms_eps=eps).
+fold_norm_weight = reference.fold_norm_weight
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> new [M, N]; with norm_weight [K], of
-    rms_norm(x, norm_weight, norm_eps) instead of x. (Accumulating into an existing tensor:
+         rms_eps: float | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> new [M, N]; with rms_eps, each product row scaled by
+    1/rms(x row) before the bias. (Accumulating into an existing tensor:
     torch.ops.decodex.gemv(..., out=that, accumulate=True).)"""
     _require()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    ops.gemv(x, weight, bias, out, norm_weight=norm_weight, norm_eps=norm_eps)
+    ops.gemv(x, weight, bias, out, rms_eps=rms_eps)
     return out
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  norm_eps: float = 0.0) -> torch.Tensor:
-    """x [M, K], weight [2I, K] = [gate; up] -> new [M, I] = silu(x gate^T) * (x up^T); norm_weight
-    as in gemv."""
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+    """x [M, K], weight [2I, K] = [gate; up] -> new [M, I] = silu(x gate^T) * (x up^T); rms_eps as
+    in gemv."""
     _require()
     out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
-    ops.gemv_silu_mul(x, weight, out, norm_weight=norm_weight, norm_eps=norm_eps)
+    ops.gemv_silu_mul(x, weight, out, rms_eps=rms_eps)
     return out
 
 
-def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache, norm_weight=None,
-                     norm_eps: float = 0.0) -> torch.Tensor:
+def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache,
+                     rms_eps: float | None = None) -> torch.Tensor:
     """x [M, K] @ the merged q|k|v weight^T (+ bias) -> new [M, (H + 2 Hkv) D] with q and k rotated
-    at positions [M]; k and v written into the caches [M, Hkv, S, D] at those positions;
-    norm_weight as in gemv."""
+    at positions [M]; k and v written into the caches [M, Hkv, S, D] at those positions; rms_eps
+    as in gemv."""
     _require()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    ops.gemv_rope_append(x, weight, bias, inv_freq, positions, out, k_cache, v_cache,
-                         norm_weight=norm_weight, norm_eps=norm_eps)
+    ops.gemv_rope_append(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, rms_eps=rms_eps)
     return out
 
 

@@ -22,35 +22,44 @@ def _add_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
-         accumulate: torch.Tensor | None = None) -> torch.Tensor:
+         rms_eps: float | None = None, accumulate: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N].
 
-    norm_weight [K]: the product is of rms_norm(x, norm_weight, norm_eps) (rounded to x's dtype, as
-    rms_norm returns it). accumulate [M, N]: returns accumulate + the product, the product rounded
-    to x's dtype first (what the kernel's accumulate=True leaves in out)."""
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, norm_eps)
+    rms_eps: each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the
+    bias (the product of rms_norm(x, w, rms_eps) for a weight with w folded in, fold_norm_weight).
+    accumulate [M, N]: returns accumulate + the product, the product rounded to x's dtype first
+    (what the kernel's accumulate=True leaves in out)."""
     y = x.float() @ weight.float().t()
+    if rms_eps is not None:
+        y = y * _inv_rms(x, rms_eps)
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
     return y if accumulate is None else _add_rounded(accumulate, y)
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  norm_eps: float = 0.0) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
     """x [M, K], weight [2I, K] = [gate; up] -> silu_mul(gemv(x, weight)) [M, I] (the gate|up
-    product rounded to x's dtype before the activation, as the fused kernel does); norm_weight as
-    in gemv."""
-    return silu_mul(gemv(x, weight, norm_weight=norm_weight, norm_eps=norm_eps))
+    product rounded to x's dtype before the activation, as the fused kernel does); rms_eps as in
+    gemv."""
+    return silu_mul(gemv(x, weight, rms_eps=rms_eps))
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] with its columns scaled by norm_weight [K] (fp32 product, rounded to weight's
+    dtype): rms_norm(x, norm_weight) @ weight^T == gemv(x, fold_norm_weight(weight, norm_weight),
+    rms_eps=eps) up to that rounding."""
+    return (weight.float() * norm_weight.float()).to(weight.dtype)
+
+
+def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms of each row of x [..., K], fp32 [..., 1]."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] / rms(x) * weight [K]."""
-    xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    return (x.float() * _inv_rms(x, eps) * weight.float()).to(x.dtype)
 
 
 def fused_add_rms_norm(
@@ -125,13 +134,13 @@ def rope_append(
     return q_rot, k_rot
 
 
-def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache, norm_weight=None,
-                     norm_eps: float = 0.0) -> torch.Tensor:
+def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache,
+                     rms_eps: float | None = None) -> torch.Tensor:
     """gemv of x [M, K] with the merged q|k|v weight [(H + 2 Hkv) D, K] (+ bias), then rope_append on
     the q|k|v rows of the result (writes the caches [M, Hkv, S, D]); returns [M, (H + 2 Hkv) D] with
-    q and k rotated. Hkv and D come from k_cache; norm_weight as in gemv."""
+    q and k rotated. Hkv and D come from k_cache; rms_eps as in gemv."""
     M, Hkv, D = x.shape[0], k_cache.shape[1], k_cache.shape[3]
-    qkv = gemv(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps)
+    qkv = gemv(x, weight, bias, rms_eps=rms_eps)
     H = qkv.shape[1] // D - 2 * Hkv
     q, k, v = qkv.view(M, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=1)
     q, k = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache)

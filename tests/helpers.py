@@ -122,15 +122,6 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def normed_by_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x, norm_weight, eps) exactly as the GEMV's norm prologue computes it: the GEMV of x
-    with the identity weight (each output one bf16 product by 1, summed with zeros: exact)."""
-    eye = torch.eye(x.shape[1], device=x.device, dtype=torch.bfloat16)
-    out = torch.empty_like(x)
-    torch.ops.decodex.gemv(x, eye, None, out, norm_weight=norm_weight, norm_eps=eps)
-    return out
-
-
 def norm_inputs(M: int, K: int, device="cuda", seed: int | None = None):
     """x with rows of different scales (rms from ~0.3 to ~5) and a norm weight ~ 1 + 0.2 N(0, 1)."""
     g = None if seed is None else torch.Generator(device=device).manual_seed(seed)

@@ -27,6 +27,14 @@ CAPACITY = 4099
 # ... and batches that mix lengths, an inactive (0) sequence among them.
 MIXED = [[0, 129, 4095], [127, 1, 2], [4099, 0, 128]]
 LONG = 32768  # long-context cases: capacity LONG + 5
+# The combine kernel runs one warp per 16 splits, 1 to 8. Few splits: batch 64 on a short cache
+# (2 splits at Hkv 2, 1 at Hkv 8: one warp, no shared-memory merge), lengths cycling through the
+# edge cases, the rest spread over [0, capacity].
+FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY = 64, 1029
+# Many splits: batch 1 on a LONG + 5 cache (132 splits at Hkv 2, 264 at Hkv 1 on an H200: 8 warps,
+# at Hkv 1 33 splits a warp, i.e. two chunks of 32); the short lengths leave most splits empty.
+MANY_SPLITS_HEADS = [(12, 2), (4, 1)]
+MANY_SPLITS_LENGTHS = [0, 1, 127, 128, 129, 12345, LONG + 5]
 # DECODEX_TEST_QUICK (set for the compute-sanitizer runs): fewer cases, no 32K ones.
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
 if QUICK:
@@ -107,6 +115,50 @@ def test_long_context(H, Hkv, D):
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
     check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", [(12, 2), (8, 8)])
+def test_large_batch_few_splits(H, Hkv, D):
+    """Batch 64 on a short cache: the combine on one warp, mixed lengths (0 among them)."""
+    B, S = FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY
+    assert _splits(B, Hkv, S) <= 16  # one combine warp
+    edge = [0, 1, 127, 128, 129, S]
+    lengths = [edge[b % len(edge)] if b < 4 * len(edge) else (37 * b) % (S + 1) for b in range(B)]
+    q, k, v = make_inputs(lengths, H, Hkv, D, S)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(QUICK, reason="DECODEX_TEST_QUICK: no 32K cases")
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", MANY_SPLITS_HEADS)
+@pytest.mark.parametrize("length", MANY_SPLITS_LENGTHS)
+def test_batch_one_many_splits(length, H, Hkv, D):
+    """Batch 1 on a 32K cache: the combine on 8 warps, from all splits live to all empty."""
+    S = LONG + 5
+    q, k, v = make_inputs([length], H, Hkv, D, S)
+    lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", [(12, 2), (28, 4)] + BIG_GROUPS)
+@pytest.mark.parametrize("S,splits", [(1000, 8), (1500, 12), (2048, 16), (2053, 17)], ids=str)
+def test_combine_at_one_and_two_warps(S, splits, H, Hkv, D):
+    """Short caches at batch 1: 8 to 16 splits (one combine warp) and 17 (two), with lengths that
+    leave trailing splits empty, length 0, and groups of more than 8 heads."""
+    assert _splits(1, Hkv, S) == splits
+    for lengths in ([0], [1], [127], [129], [S // 2 + 3], [S]):
+        q, k, v = make_inputs(lengths, H, Hkv, D, S)
+        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        scale = 1 / math.sqrt(D)
+        check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
 
 
 @pytest.mark.gpu
@@ -349,6 +401,9 @@ def test_splits_heuristic_is_sane():
     assert f(64, 8, 131072, sms) == 1  # 512 (b, kv head) pairs already fill the GPU
     assert f(1, 2, 32768, 132) >= f(4, 2, 32768, 132) >= f(16, 2, 32768, 132)
     assert f(1, 2, 64, 132) == 1
+    for capacity in (1000, 32768):  # non-increasing in batch
+        counts = [f(b, 2, capacity, sms) for b in range(1, 65)]
+        assert counts == sorted(counts, reverse=True), (capacity, counts)
     with pytest.raises(RuntimeError, match="batch must be >= 1"):
         f(0, 2, 100, sms)
     with pytest.raises(RuntimeError, match="sm_count must be >= 1"):

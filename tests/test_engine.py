@@ -688,11 +688,14 @@ def test_more_prompts_than_rows():
 
 
 @pytest.mark.gpu
-def test_sampled_tokens_match_reference_runner():
+def test_sampled_tokens_match_reference_runner(monkeypatch):
     """The same prompt and SamplingParams through CudaGraphRunner.run and generate.ReferenceRunner
     (eager kernels, same model): the same tokens. Both draw with (seed, position of the consumed
-    token), and a lone sequence runs the same kernels on the same shapes on both paths."""
+    token), and a lone sequence runs the same kernels on the same shapes on both paths (the runner
+    held to the eager path's norms: both inside the GEMVs)."""
     from decodex.generate import ReferenceRunner, SamplingParams
+
+    monkeypatch.setattr(engine, "RMS_CHOICES", (("qkv", "gate_up"),))
 
     m = models("llama-d64")  # untied: logits of unit scale, so sampling really samples
     prompt = torch.randint(0, m.config.vocab_size, (23,)).tolist()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs, normed_by_gemv
+from helpers import capture_graph, norm_inputs
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # e.g. under compute-sanitizer: fewer sizes
 
@@ -49,13 +49,14 @@ def _poisoned(M, N, device="cuda"):
     return torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
 
 
-def _check(out, x, w, b):
+def _check(out, x, w, b, rms_eps=None):
     """Every element of `out` finite and within tolerance of the fp32 reference; worst error at
-    most 2x PyTorch's own bf16 error."""
+    most 2x PyTorch's own bf16 error (with rms_eps: cuBLAS's product scaled by 1/rms in fp32)."""
     assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left) or overflowed"
-    ref = reference.gemv(x.float(), w.float(), None if b is None else b.float())  # fp32 [M, N]
+    ref = reference.gemv(x.float(), w.float(), None if b is None else b.float(), rms_eps=rms_eps)  # fp32
     K = x.shape[1]
-    mag = x.float().abs() @ w.float().abs().t()  # sum_k |x w|, [M, N]
+    scale = 1.0 if rms_eps is None else reference._inv_rms(x, rms_eps)  # [M, 1]
+    mag = (x.float().abs() @ w.float().abs().t()) * scale  # sum_k |x w| (/ rms), [M, N]
     atol = ACC_FACTOR * K**0.5 * EPS32 * mag + 1e-6
     err = (out.float() - ref).abs()
     bound = RTOL * ref.abs() + atol
@@ -66,7 +67,11 @@ def _check(out, x, w, b):
         raise AssertionError(
             f"{int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at [{m}, {n}]: "
             f"got {float(out[m, n]):.6g}, reference {float(ref[m, n]):.6g}, bound {float(bound[m, n]):.3g}")
-    torch_err = (F.linear(x, w, b).float() - ref).abs().max()
+    if rms_eps is None:
+        torch_out = F.linear(x, w, b)
+    else:
+        torch_out = (F.linear(x, w).float() * scale + (0.0 if b is None else b.float())).to(torch.bfloat16)
+    torch_err = (torch_out.float() - ref).abs().max()
     assert err.max() <= 2 * torch_err + 1e-5, f"max error {float(err.max()):.3g} > 2x torch's {float(torch_err):.3g}"
 
 
@@ -221,53 +226,46 @@ def test_gemv_prefetch_weight(M, N, K):
         assert torch.equal(got, exp)
 
 
-# ---------------------------------------------------------------- GPU: norm prologue, accumulate
+# ---------------------------------------------------------------- GPU: rms_eps, accumulate
 
-NORM_EPS = 1e-6
-
-
-def _ulp_diff_fraction(a, b):
-    """Fraction of elements of two bf16 tensors that differ (by any amount), and the worst
-    difference in units of the larger magnitude's bf16 ulp."""
-    a, b = a.float(), b.float()
-    diff = (a - b).abs()
-    ulp = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30) * 2.0**-7
-    return float((diff > 0).float().mean()), float((diff / ulp).max())
+RMS_EPS = 1e-6
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (1, 37888, 3584), (3, 769, 1544), (8, 4608, 3584),
-                                   (8, 7, 8960), (5, 40, 8), (2, 1, 136)])
-def test_gemv_norm_weight(M, N, K):
-    """norm_weight: the product is of rms_norm(x): the prologue's normalised x (read back through an
-    identity GEMV) is the reference rms_norm up to rare 1-ulp differences (a different fp32
-    summation order of the squares), and the GEMV equals the plain GEMV of it bit for bit."""
+                                   (8, 7, 8960), (5, 40, 8), (2, 1, 136), (8, 16, 16384)])
+def test_gemv_rms_eps(M, N, K):
+    """rms_eps: each product row scaled by 1/rms(x row) before the bias, on rows of x whose rms
+    ranges from ~0.3 to ~5; and with the norm weight folded into W it is rms_norm then gemv."""
     x, nw = norm_inputs(M, K)
-    xn = normed_by_gemv(x, nw, NORM_EPS)
-    ref = reference.rms_norm(x, nw, NORM_EPS)
-    frac, worst = _ulp_diff_fraction(xn, ref)
-    assert frac < 1e-3 and worst <= 1.0, f"prologue vs reference rms_norm: {frac:.2e} differ, worst {worst} ulp"
     _, w, b = _inputs(M, N, K)
     out = _poisoned(M, N)
-    torch.ops.decodex.gemv(x, w, b, out, norm_weight=nw, norm_eps=NORM_EPS)
-    assert torch.equal(out, _gemv(xn, w, b, _poisoned(M, N)))
-    _check(out, ref, w, b)
+    torch.ops.decodex.gemv(x, w, b, out, rms_eps=RMS_EPS)
+    _check(out, x, w, b, rms_eps=RMS_EPS)
+    # The folded form against the unfolded one (rms_norm, then the product): close, not equal
+    # (rms_norm rounds x / rms * w to bf16, the fold rounds W * w).
+    folded = _poisoned(M, N)
+    torch.ops.decodex.gemv(x, reference.fold_norm_weight(w, nw), b, folded, rms_eps=RMS_EPS)
+    want = reference.gemv(reference.rms_norm(x.float(), nw.float(), RMS_EPS), w.float(), b.float())
+    torch.testing.assert_close(folded.float(), want, rtol=2**-6, atol=2**-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M", [1, 8])
-def test_gemv_norm_weight_every_variant(monkeypatch, config, M):
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("N,K", [(769, 1544), (7, 8960)])
+def test_gemv_rms_eps_every_variant(monkeypatch, config, M, N, K):
+    """The sum of squares goes through every variant's k-range reduction (warps, clusters, spare
+    warps, empty k-ranges) beside the dot products."""
     if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90")
-    N, K = 769, 1544
-    x, nw = norm_inputs(M, K)
-    xn = normed_by_gemv(x, nw, NORM_EPS)  # before the override: the default configuration
-    _, w, b = _inputs(M, N, K)
     monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    x, _ = norm_inputs(M, K)
+    _, w, b = _inputs(M, N, K)
     out = _poisoned(M, N)
-    torch.ops.decodex.gemv(x, w, b, out, norm_weight=nw, norm_eps=NORM_EPS)
-    assert torch.equal(out, _gemv(xn, w, b, _poisoned(M, N))), "the norm prologue depends on the variant"
+    torch.ops.decodex.gemv(x, w, b, out, rms_eps=RMS_EPS)
+    torch.cuda.synchronize()
+    _check(out, x, w, b, rms_eps=RMS_EPS)
 
 
 @pytest.mark.gpu
@@ -287,26 +285,26 @@ def test_gemv_accumulate(M, N, K, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
-def test_gemv_norm_and_accumulate_chain_in_graph(M):
-    """The decode step's pattern, captured with prefetch_weight: h = W1 rms_norm(r); r += W2 h,
+def test_gemv_rms_and_accumulate_chain_in_graph(M):
+    """The decode step's pattern, captured with prefetch_weight: h = (W1 r) / rms(r); r += W2 h,
     three times over, each kernel reading what the one before wrote. Bitwise equal to plain calls,
     and close to the fp32 reference of the chain."""
     K, N = 1536, 2048
-    r0, nw = norm_inputs(M, K)
+    r0, _ = norm_inputs(M, K)
     w1 = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
     w2 = [(torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16) for _ in range(3)]
     r, h = r0.clone(), _poisoned(M, N)
 
     def chain(prefetch):
         for a, c in zip(w1, w2):
-            torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, norm_weight=nw, norm_eps=NORM_EPS)
+            torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, rms_eps=RMS_EPS)
             torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True)
 
     chain(False)
     want = r.clone()
     ref = r0
     for a, c in zip(w1, w2):
-        ref = reference.gemv(reference.gemv(ref, a, norm_weight=nw, norm_eps=NORM_EPS), c, accumulate=ref)
+        ref = reference.gemv(reference.gemv(ref, a, rms_eps=RMS_EPS), c, accumulate=ref)
     torch.testing.assert_close(want.float(), ref.float(), rtol=0.05, atol=0.05)
     r.copy_(r0)
     graph = capture_graph(lambda: chain(True))  # runs the chain once more before capturing
@@ -318,31 +316,13 @@ def test_gemv_norm_and_accumulate_chain_in_graph(M):
 
 
 @pytest.mark.gpu
-def test_gemv_norm_weight_rejects():
+def test_gemv_rms_eps_rejects():
     x, w, b = _inputs(2, 32, 64)
     out = _poisoned(2, 32)
-    nw = torch.ones(64, device="cuda", dtype=torch.bfloat16)
-
-    def err(match, **kw):
-        args = dict(norm_weight=nw, norm_eps=NORM_EPS)
-        args.update(kw)
-        with pytest.raises(RuntimeError, match=match):
-            torch.ops.decodex.gemv(x, w, b, out, **args)
-
-    err(r"norm_weight must have dtype", norm_weight=nw.float())
-    err(r"norm_weight must have shape \[K\] = \[64\]", norm_weight=nw[:56])
-    err(r"norm_weight must have shape", norm_weight=nw[None])
-    err(r"norm_weight must be a CUDA tensor", norm_weight=nw.cpu())
-    err(r"norm_weight must be contiguous", norm_weight=torch.ones(128, device="cuda", dtype=torch.bfloat16)[::2])
-    err(r"norm_weight must be 16-byte aligned", norm_weight=torch.ones(72, device="cuda", dtype=torch.bfloat16)[1:65])
-    err(r"norm_eps must be finite and >= 0", norm_eps=-1.0)
-    err(r"norm_eps must be finite", norm_eps=float("nan"))
-    # No size limit of its own: the largest x the GEMV takes, normed.
-    xb, nb = norm_inputs(8, 16384)
-    wb = (torch.randn(16, 16384, device="cuda") / 128).to(torch.bfloat16)
-    out = _poisoned(8, 16)
-    torch.ops.decodex.gemv(xb, wb, None, out, norm_weight=nb, norm_eps=NORM_EPS)
-    _check(out, reference.rms_norm(xb, nb, NORM_EPS), wb, None)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match=r"gemv: rms_eps must be finite and >= 0"):
+            torch.ops.decodex.gemv(x, w, b, out, rms_eps=bad)
+    assert torch.isnan(out).all(), "a refused call wrote out"
 
 
 @pytest.mark.gpu
@@ -452,7 +432,7 @@ def test_gemv_rejects_layouts():
 def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
-                      "bool prefetch_weight=False, Tensor? norm_weight=None, float norm_eps=0., "
+                      "bool prefetch_weight=False, float? rms_eps=None, "
                       "bool accumulate=False) -> ()"), schema
 
 
@@ -468,8 +448,7 @@ def test_gemv_fake_tensor_mode():
         out = torch.empty(3, 769, device="cuda", dtype=torch.bfloat16)
         assert torch.ops.decodex.gemv(x, w, b, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out) is None
-        nw = torch.empty(136, device="cuda", dtype=torch.bfloat16)
-        assert torch.ops.decodex.gemv(x, w, None, out, norm_weight=nw, norm_eps=1e-6, accumulate=True) is None
+        assert torch.ops.decodex.gemv(x, w, None, out, rms_eps=1e-6, accumulate=True) is None
 
 
 @pytest.mark.ext
@@ -500,9 +479,11 @@ def test_reference_gemv_cpu():
                                x.float() @ w.float().t() + b.float())
     y = reference.gemv(x, w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (3, 7)
-    # norm_weight: the product of the normed x; accumulate: added to the given tensor.
-    nw = (1.0 + 0.1 * torch.randn(136)).to(torch.bfloat16)
-    torch.testing.assert_close(reference.gemv(x, w, b, norm_weight=nw, norm_eps=1e-6),
-                               reference.gemv(reference.rms_norm(x, nw, 1e-6), w, b))
+    # rms_eps with the norm weight folded in: rms_norm then the product (exactly, in fp32);
+    # accumulate: added to the given tensor.
+    nw = 1.0 + 0.1 * torch.randn(136)
+    xf, wf, bf = x.float(), w.float(), b.float()
+    torch.testing.assert_close(reference.gemv(xf, reference.fold_norm_weight(wf, nw), bf, rms_eps=1e-6),
+                               reference.gemv(reference.rms_norm(xf, nw, 1e-6), wf, bf))
     acc = torch.randn(3, 7).to(torch.bfloat16)
     assert torch.equal(reference.gemv(x, w, b, accumulate=acc), (acc.float() + y.float()).to(torch.bfloat16))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs, normed_by_gemv
+from helpers import capture_graph, norm_inputs
 
 THETA = 1_000_000.0
 # (H, Hkv, D, K): Qwen2.5-1.5B, Qwen2.5-7B, a head dim 64 model, a small odd one.
@@ -32,17 +32,17 @@ def _case(M, H, Hkv, D, K, S=64, bias=True, device="cuda"):
     return x, w, b, kc, vc, inv_freq
 
 
-def _fused(x, w, b, inv_freq, positions, kc, vc):
+def _fused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None):
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
-    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, positions, out, kc, vc)
+    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, positions, out, kc, vc, rms_eps=rms_eps)
     return out
 
 
-def _unfused(x, w, b, inv_freq, positions, kc, vc):
+def _unfused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None):
     """gemv, then rope_append on the q|k|v rows of its output (Hkv and D from the cache)."""
     M, Hkv, D = x.shape[0], kc.shape[1], kc.shape[3]
     out = torch.full((M, w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
-    torch.ops.decodex.gemv(x, w, b, out)
+    torch.ops.decodex.gemv(x, w, b, out, rms_eps=rms_eps)
     q, k, v = out.view(M, -1, D).split([w.shape[0] // D - 2 * Hkv, Hkv, Hkv], dim=1)
     torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
     return out
@@ -153,16 +153,15 @@ def test_gemv_rope_append_rejects():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,Hkv,D,K", LAYOUTS)
 @pytest.mark.parametrize("M", [1, 8])
-def test_gemv_rope_append_norm_weight(M, H, Hkv, D, K):
-    """norm_weight: out and both caches equal bit for bit to gemv_rope_append of the prologue's
-    normalised x (read back through an identity GEMV)."""
-    x0, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
-    x, nw = norm_inputs(M, K)
+def test_gemv_rope_append_rms_eps(M, H, Hkv, D, K):
+    """rms_eps: out and both caches equal bit for bit to gemv(rms_eps) then rope_append, on rows of
+    x with different scales."""
+    _, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
+    x, _ = norm_inputs(M, K)
     pos = torch.tensor([3 + 5 * m for m in range(M)], dtype=torch.int32, device="cuda")
     kc2, vc2 = kc.clone(), vc.clone()
-    got = torch.full((M, w.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, pos, got, kc, vc, norm_weight=nw, norm_eps=1e-6)
-    want = _fused(normed_by_gemv(x, nw, 1e-6), w, b, inv_freq, pos, kc2, vc2)
+    got = _fused(x, w, b, inv_freq, pos, kc, vc, rms_eps=1e-6)
+    want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, rms_eps=1e-6)
     assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
@@ -176,7 +175,7 @@ def test_gemv_rope_append_schema_and_fake():
     schema = str(torch.ops.decodex.gemv_rope_append.default._schema)
     assert schema == ("decodex::gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, "
                       "Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-                      "bool prefetch_weight=False, Tensor? norm_weight=None, float norm_eps=0.) -> ()"), schema
+                      "bool prefetch_weight=False, float? rms_eps=None) -> ()"), schema
     with FakeTensorMode():
         bf = dict(device="cuda", dtype=torch.bfloat16)
         args = (torch.empty(2, 40, **bf), torch.empty(80, 40, **bf), None,

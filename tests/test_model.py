@@ -103,7 +103,8 @@ def test_batch_decode_equals_single(model_type):
 
 
 def test_merged_weights_layout():
-    """qkv rows are q, k, v; gate_up rows are gate, up: the layout the kernels read."""
+    """qkv rows are q, k, v; gate_up rows are gate, up: the layout the kernels read; each with the
+    norm before it folded into its columns (fp32 model: the exact fp32 product)."""
     config = tiny_config("qwen2")
     weights = random_weights(config)
     model = random_model("qwen2")
@@ -111,13 +112,15 @@ def test_merged_weights_layout():
     p = "model.layers.1."
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
+    attn_norm, mlp_norm = weights[p + "input_layernorm.weight"], weights[p + "post_attention_layernorm.weight"]
     assert layer.qkv_w.shape == (q_rows + 2 * kv_rows, config.hidden_size)
-    assert torch.equal(layer.qkv_w[:q_rows], weights[p + "self_attn.q_proj.weight"])
-    assert torch.equal(layer.qkv_w[q_rows:q_rows + kv_rows], weights[p + "self_attn.k_proj.weight"])
-    assert torch.equal(layer.qkv_w[q_rows + kv_rows:], weights[p + "self_attn.v_proj.weight"])
+    assert torch.equal(layer.qkv_w[:q_rows], weights[p + "self_attn.q_proj.weight"] * attn_norm)
+    assert torch.equal(layer.qkv_w[q_rows:q_rows + kv_rows], weights[p + "self_attn.k_proj.weight"] * attn_norm)
+    assert torch.equal(layer.qkv_w[q_rows + kv_rows:], weights[p + "self_attn.v_proj.weight"] * attn_norm)
     assert torch.equal(layer.qkv_b[q_rows + kv_rows:], weights[p + "self_attn.v_proj.bias"])
-    assert torch.equal(layer.gate_up_w[:config.intermediate_size], weights[p + "mlp.gate_proj.weight"])
-    assert torch.equal(layer.gate_up_w[config.intermediate_size:], weights[p + "mlp.up_proj.weight"])
+    assert torch.equal(layer.gate_up_w[:config.intermediate_size], weights[p + "mlp.gate_proj.weight"] * mlp_norm)
+    assert torch.equal(layer.gate_up_w[config.intermediate_size:], weights[p + "mlp.up_proj.weight"] * mlp_norm)
+    assert not torch.equal(attn_norm, torch.ones_like(attn_norm)), "random norm weights expected"
     assert layer.o_b is None
     assert model.inv_freq.dtype == torch.float32 and model.inv_freq.shape == (config.head_dim // 2,)
     cache = model.new_cache(batch=3, capacity=17)
