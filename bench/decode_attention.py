@@ -1,7 +1,6 @@
 """decode_attention vs torch SDPA at head dim 128, H = 6 * Hkv (Qwen2.5-1.5B's ratio): batch 1 over
-contexts and KV heads, and batches 8 and 64 at context 1024, Hkv 2 (the decode step of issue 5,
-where the splits are few and the combine kernel is a large share of the time; every sequence at
-the full context).
+contexts and KV heads, and batches 8 and 64 at context 1024, Hkv 2 (the batched decode step, where
+the splits are few; every sequence at the full context).
 
 Bytes moved: the K and V rows read, 2 * B * len * Hkv * D * 2 bytes (q, the partials and the output
 are noise next to them). Both ops run L2-cold in one CUDA graph over a rotating stack of caches

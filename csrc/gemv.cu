@@ -40,9 +40,8 @@
 //    bf16 after the mmas lengthened each trip, measurably at K = 3584).
 //    The diagonal is summed over the k-ranges with the dot products (same reduction, same order),
 //    so the norm costs no extra load, round trip or kernel; the epilogue scales each result before
-//    the bias. (An earlier prologue that
-//    normalised x first, one L2 round trip per block, was slower than an rms_norm kernel on the big
-//    shapes: bench/RESULTS.md, session 4.)
+//    the bias. (An earlier prologue that normalised x first, one L2 round trip per block, was
+//    slower than an rms_norm kernel on the big shapes: bench/RESULTS.md, session 4.)
 //
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
@@ -80,14 +79,6 @@ constexpr int kTileRows = 16;  // weight rows per warp: the mma's m
 constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
-
-__device__ __forceinline__ bf16x8 as_bf16x8(const uint4& v) {
-  return *reinterpret_cast<const bf16x8*>(&v);
-}
-
-__device__ __forceinline__ uint4 as_uint4(const bf16x8& v) {
-  return *reinterpret_cast<const uint4*>(&v);
-}
 
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
@@ -575,7 +566,6 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
   DX_CHECK(N <= 1 || b.stride(0) == 1, "bias must be contiguous, got strides ", b.strides());
   return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
 }
-
 
 // Whether the memory spans of two tensors intersect (bytes from the first to past the last element).
 static bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {

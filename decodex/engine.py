@@ -52,8 +52,8 @@ Choices, and why:
   not in a GEMV is an rms_norm kernel of unit weight into `hidden`; where a product runs on cuBLAS
   (graphs of more than 8 rows), its output waits in `delta` and the next norm is a
   fused_add_rms_norm kernel.
-- First layer: the embedding is gathered straight into the residual buffer (the eager model adds
-  it to a zero residual: the same values).
+- First layer: the embedding is gathered straight into the residual buffer, where the eager
+  model's residual starts too.
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
   capture in the middle of a generation changes nothing.
 

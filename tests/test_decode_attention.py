@@ -94,15 +94,21 @@ def check(out, want):
 # ---------------------------------------------------------------- GPU: correctness
 
 
+def check_lengths(lengths, H, Hkv, D, S):
+    """decode_attention on fresh inputs (make_inputs) for one batch of lengths over caches of
+    capacity S, against the fp32 reference."""
+    q, k, v = make_inputs(lengths, H, Hkv, D, S)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("H,Hkv", HEADS)
 @pytest.mark.parametrize("lengths", [[n] for n in LENGTHS] + MIXED, ids=str)
 def test_matches_reference(lengths, H, Hkv, D):
-    q, k, v = make_inputs(lengths, H, Hkv, D, CAPACITY)
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
-    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+    check_lengths(lengths, H, Hkv, D, CAPACITY)
 
 
 @pytest.mark.gpu
@@ -110,11 +116,7 @@ def test_matches_reference(lengths, H, Hkv, D):
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("H,Hkv", HEADS)
 def test_long_context(H, Hkv, D):
-    lengths = [LONG, 12345]
-    q, k, v = make_inputs(lengths, H, Hkv, D, LONG + 5)
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
-    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+    check_lengths([LONG, 12345], H, Hkv, D, LONG + 5)
 
 
 @pytest.mark.gpu
@@ -126,10 +128,7 @@ def test_large_batch_few_splits(H, Hkv, D):
     assert _splits(B, Hkv, S) <= 16  # one combine warp
     edge = [0, 1, 127, 128, 129, S]
     lengths = [edge[b % len(edge)] if b < 4 * len(edge) else (37 * b) % (S + 1) for b in range(B)]
-    q, k, v = make_inputs(lengths, H, Hkv, D, S)
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
-    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+    check_lengths(lengths, H, Hkv, D, S)
 
 
 @pytest.mark.gpu
@@ -139,11 +138,7 @@ def test_large_batch_few_splits(H, Hkv, D):
 @pytest.mark.parametrize("length", MANY_SPLITS_LENGTHS)
 def test_batch_one_many_splits(length, H, Hkv, D):
     """Batch 1 on a 32K cache: the combine on 8 warps, from all splits live to all empty."""
-    S = LONG + 5
-    q, k, v = make_inputs([length], H, Hkv, D, S)
-    lens = torch.tensor([length], dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
-    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+    check_lengths([length], H, Hkv, D, LONG + 5)
 
 
 @pytest.mark.gpu
@@ -155,10 +150,7 @@ def test_combine_at_one_and_two_warps(S, splits, H, Hkv, D):
     leave trailing splits empty, length 0, and groups of more than 8 heads."""
     assert _splits(1, Hkv, S) == splits
     for lengths in ([0], [1], [127], [129], [S // 2 + 3], [S]):
-        q, k, v = make_inputs(lengths, H, Hkv, D, S)
-        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        scale = 1 / math.sqrt(D)
-        check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+        check_lengths(lengths, H, Hkv, D, S)
 
 
 @pytest.mark.gpu
@@ -166,10 +158,7 @@ def test_combine_at_one_and_two_warps(S, splits, H, Hkv, D):
 @pytest.mark.parametrize("H,Hkv", BIG_GROUPS)
 def test_groups_over_eight_heads(H, Hkv, D):
     lengths = [129, 0, 4095]
-    q, k, v = make_inputs(lengths, H, Hkv, D, CAPACITY)
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    scale = 1 / math.sqrt(D)
-    check(run_op(q, k, v, lens, scale), ref_fp32(q, k, v, lens, scale))
+    check_lengths(lengths, H, Hkv, D, CAPACITY)
 
 
 @pytest.mark.gpu
