@@ -68,7 +68,7 @@ class _ReferenceOps:
 
     @staticmethod
     def add(residual, x):  # residual + x, rounded to its dtype
-        return (residual.float() + x.float()).to(residual.dtype)
+        return reference._add_rounded(residual, x)
 
     @staticmethod
     def rms_norm(x, w, eps):

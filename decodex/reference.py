@@ -31,7 +31,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     (what the kernel's accumulate=True leaves in out)."""
     y = x.float() @ weight.float().t()
     if rms_eps is not None:
-        y = y * _inv_rms(x, rms_eps)
+        y = y * inv_rms(x, rms_eps)
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
@@ -52,14 +52,14 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
     return (weight.float() * norm_weight.float()).to(weight.dtype)
 
 
-def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / rms of each row of x [..., K], fp32 [..., 1]."""
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., K] / rms(x) * weight [K]."""
-    return (x.float() * _inv_rms(x, eps) * weight.float()).to(x.dtype)
+    return (x.float() * inv_rms(x, eps) * weight.float()).to(x.dtype)
 
 
 def fused_add_rms_norm(

@@ -55,7 +55,7 @@ def _check(out, x, w, b, rms_eps=None):
     assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left) or overflowed"
     ref = reference.gemv(x.float(), w.float(), None if b is None else b.float(), rms_eps=rms_eps)  # fp32
     K = x.shape[1]
-    scale = 1.0 if rms_eps is None else reference._inv_rms(x, rms_eps)  # [M, 1]
+    scale = 1.0 if rms_eps is None else reference.inv_rms(x, rms_eps)  # [M, 1]
     mag = (x.float().abs() @ w.float().abs().t()) * scale  # sum_k |x w| (/ rms), [M, N]
     atol = ACC_FACTOR * K**0.5 * EPS32 * mag + 1e-6
     err = (out.float() - ref).abs()
