@@ -57,40 +57,33 @@ def _stack(N: int, K: int):
     return [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(2 * N * K))]
 
 
-def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False) -> float:
+def _buffers(weights, M: int):
+    """Per weight copy: x [M, K] ~ N(0, 1) and a zeroed out [M, N]."""
     K = weights[0].shape[1]
     xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
-    outs = [torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
-    calls = [lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=prefetch_weight)
+    outs = [torch.zeros(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    return xs, outs
+
+
+def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False, **options) -> float:
+    """One gemv per weight copy; options: the op's rms_eps / accumulate."""
+    xs, outs = _buffers(weights, M)
+    calls = [lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=prefetch_weight,
+                                                **options)
              for i in range(len(weights))]
     return time_graph(calls, reps=reps)
 
 
-def _time_norm(weights, M: int, fused: bool) -> float:
-    """Per weight copy: rms_norm then gemv (fused=False), or gemv with rms_eps (True; the norm
-    weight would be folded into W, which changes no timing)."""
-    K = weights[0].shape[1]
-    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
-    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+def _time_rms_norm_then_gemv(weights, M: int) -> float:
+    """Per weight copy: an rms_norm kernel, then the gemv of its output (what rms_eps replaces)."""
+    xs, outs = _buffers(weights, M)
+    nw = (1 + 0.1 * torch.randn(xs[0].shape[1], device="cuda")).to(torch.bfloat16)
     hs = [torch.empty_like(x) for x in xs]
-    outs = [torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
-    ops = torch.ops.decodex
 
     def call(i):
-        if fused:
-            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True, rms_eps=1e-6)
-        else:
-            ops.rms_norm(xs[i], nw, 1e-6, hs[i])
-            ops.gemv(hs[i], weights[i], None, outs[i], prefetch_weight=True)
+        torch.ops.decodex.rms_norm(xs[i], nw, 1e-6, hs[i])
+        torch.ops.decodex.gemv(hs[i], weights[i], None, outs[i], prefetch_weight=True)
     return time_graph([lambda i=i: call(i) for i in range(len(weights))])
-
-
-def _time_accumulate(weights, M: int) -> float:
-    K = weights[0].shape[1]
-    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
-    outs = [torch.zeros(M, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
-    return time_graph([lambda i=i: torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True,
-                                                          accumulate=True) for i in range(len(weights))])
 
 
 NORM_SHAPES = ("qkv", "gate|up")  # the products the decode step feeds normed (rms_eps)
@@ -112,19 +105,20 @@ def fused_rows() -> tuple[list[list], list[list]]:
         weights = _stack(N, K)
         for M in (1, 8):
             label = f"{model} {name} {N}x{K} M={M}"
+            plain = _time_ours(weights, M, prefetch_weight=True)
             if name in NORM_SHAPES:
-                two, one = _time_norm(weights, M, False), _time_norm(weights, M, True)
-                norm.append([label, _time_ours(weights, M, prefetch_weight=True), two, one, two - one])
+                two, one = _time_rms_norm_then_gemv(weights, M), _time_ours(weights, M, prefetch_weight=True,
+                                                                           rms_eps=1e-6)
+                norm.append([label, plain, two, one, two - one])
             else:
-                acc.append([label, _time_ours(weights, M, prefetch_weight=True), _time_accumulate(weights, M)])
+                acc.append([label, plain, _time_ours(weights, M, prefetch_weight=True, accumulate=True)])
         del weights
         torch.cuda.empty_cache()
     return norm, acc
 
 
 def _time_cublas(weights, M: int) -> float:
-    K = weights[0].shape[1]
-    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in weights]
+    xs, _ = _buffers(weights, M)
     return time_graph([lambda i=i: F.linear(xs[i], weights[i]) for i in range(len(weights))])
 
 

@@ -210,29 +210,10 @@ __device__ __forceinline__ bf16x8 float_to_bf16x8(const float (&f)[8]) {
   return v;
 }
 
-// RMSNorm's two steps, shared by rms_norm and the GEMV's norm prologue so both round alike:
-// 1 / rms from a row's fp32 sum of squares (precise division and rsqrtf, no fast-math), then
-// out = bf16((x * inv_rms) * w), each product rounded, as decodex.reference.rms_norm computes it.
+// 1 / rms from a row's fp32 sum of squares (precise division and rsqrtf, no fast-math), as
+// decodex.reference.inv_rms computes it: rms_norm and the GEMV's rms_eps scale share it.
 __device__ __forceinline__ float rms_inv(float sumsq, int K, float eps) {
   return rsqrtf(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(K)), eps));
-}
-
-__device__ __forceinline__ bf16x8 rms_scale8(const bf16x8& x, const bf16x8& w, float inv_rms) {
-  float a[8], g[8];
-  bf16x8_to_float(x, a);
-  bf16x8_to_float(w, g);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv_rms), g[e]);
-  return float_to_bf16x8(a);
-}
-
-// Adds the squares of 8 values to sumsq in index order (fused multiply-adds).
-__device__ __forceinline__ float add_squares8(const bf16x8& x, float sumsq) {
-  float a[8];
-  bf16x8_to_float(x, a);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sumsq = __fmaf_rn(a[e], a[e], sumsq);
-  return sumsq;
 }
 
 // Reductions over a warp or a whole block with an associative op (Sum, Max below). A block

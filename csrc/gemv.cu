@@ -591,7 +591,6 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
   if (rms_eps.has_value()) {
     DX_CHECK(std::isfinite(*rms_eps) && *rms_eps >= 0.0, "decodex::", op,
              ": rms_eps must be finite and >= 0, got ", *rms_eps);
-    o.rms = true;
     o.rms_eps = static_cast<float>(*rms_eps);
   }
   return o;
@@ -628,7 +627,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
   launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
-  const GemvKernel kernel = kernel_for(static_cast<int>(M), cf.u, epilogue, options.rms);
+  const GemvKernel kernel =
+      kernel_for(static_cast<int>(M), cf.u, epilogue, options.rms_eps.has_value());
   launch.dynamicSmemBytes = 0;
   launch.stream = current_stream();
   // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
@@ -661,7 +661,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
-      options.prefetch_weight, options.rms_eps, options.accumulate, rope);
+      options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope);
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();

@@ -31,9 +31,8 @@ struct GemvOptions {
   // The kernel just before on the stream does not write the weight: the GEMV may load its first
   // weights before that kernel has finished (see gemv.cu).
   bool prefetch_weight = false;
-  // Each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the bias.
-  bool rms = false;
-  float rms_eps = 0.f;
+  // If set, each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the bias.
+  std::optional<float> rms_eps;
   // kStore only: out += the product (rounded to bf16 first, as gemv then an add would round).
   bool accumulate = false;
 };

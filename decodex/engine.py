@@ -516,6 +516,7 @@ class CudaGraphRunner(HostLoop):
         cuBLAS product still waits in delta; unit weight when folded)."""
         ops = torch.ops.decodex
         residual, hidden = self.residual[:n], self.hidden[:n]
+        # Sizes over 8 rows (whose _plan_linears times gemv8 against cuBLAS) take RMS_CHOICES[0].
         if (weight is None and not self._pending_delta and self._plan(n, name) == "gemv8"
                 and name in self.rms_in_gemv.get(n, RMS_CHOICES[0])):
             return residual, self.eps
@@ -691,9 +692,8 @@ class CudaGraphRunner(HostLoop):
         """For a graph of n > 8 rows: per product, time cuBLAS over all n rows against decodex's
         GEMV kernels over 8-row chunks (all layers' weights of that shape, so L2-cold; each with its
         fused epilogue or its separate rope_append / silu_mul, and its input norm: inside the GEMV
-        or an rms_norm kernel) and keep the faster. Runs once per
-        graph size on the current (capture) stream, before capture, with every row dead (nothing
-        is appended to the cache)."""
+        or an rms_norm kernel) and keep the faster. Runs once per graph size on the current
+        (capture) stream, before capture, with every row dead (nothing is appended to the cache)."""
         m, L = self.model, self.model.layers
         attn, act = self.attn[:n], self.act[:n]
 

@@ -21,6 +21,7 @@ D head dim, I intermediate, V vocabulary, S cache capacity.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ import torch.nn.functional as F
 
 from decodex import _ext, reference
 from decodex.config import LoadError, ModelConfig
+
+@functools.lru_cache(maxsize=8)
+def unit_norm(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[size] ones: the weight of a folded norm where a norm kernel still runs (cuBLAS products).
+    One tensor per (size, dtype, device), made once; never written."""
+    return torch.ones(size, dtype=dtype, device=device)
+
 
 KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
 GEMV_MAX_ROWS = 8  # the gemv kernel's limit on M; more rows go to cuBLAS
@@ -101,7 +109,7 @@ class _KernelOps:
 
     @classmethod
     def _normed(cls, x, rms_eps):  # rms_norm(x, 1), the input cuBLAS gets where the GEMV would scale
-        return cls.rms_norm(x, torch.ones(x.shape[1], dtype=x.dtype, device=x.device), rms_eps)
+        return cls.rms_norm(x, unit_norm(x.shape[1], x.dtype, x.device), rms_eps)
 
     @classmethod
     def linear(cls, x, w, b=None, rms_eps=None):
@@ -166,8 +174,7 @@ class Model:
 
         self.embed = w("model.embed_tokens.weight")  # [V, Hd]
         self.final_norm = w("model.norm.weight")  # [Hd]
-        # [Hd] ones: the weight of a folded norm where a norm kernel still runs (decode graphs on cuBLAS)
-        self.unit_norm = torch.ones(c.hidden_size, dtype=self.dtype, device=self.device)
+        self.unit_norm = unit_norm(c.hidden_size, self.dtype, self.device)  # [Hd] ones (folded norms)
         # Tied (Llama 3.2, small Qwen2): the LM head IS the embedding tensor. An lm_head.weight stored
         # anyway is used only if it differs, as transformers 5 does (it then declines to tie).
         self.lm_head = self.embed  # [V, Hd]

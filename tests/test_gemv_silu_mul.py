@@ -136,9 +136,6 @@ def test_gemv_silu_mul_rejects():
     err(r"out must be a CUDA tensor", x, w, _poisoned(2, 16).cpu())
 
 
-# ---------------------------------------------------------------- CPU
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,I,K", [(1, 8960, 1536), (1, 18944, 3584), (8, 776, 3584), (3, 8, 8)])
 def test_gemv_silu_mul_rms_eps(M, I, K):  # I % 8 == 0: what the unfused silu_mul kernel takes
@@ -151,6 +148,9 @@ def test_gemv_silu_mul_rms_eps(M, I, K):  # I % 8 == 0: what the unfused silu_mu
     assert not torch.equal(out, _fused(x, w)), "rms_eps changed nothing"
     with pytest.raises(RuntimeError, match="rms_eps must be finite and >= 0"):
         torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=-1e-6)
+
+
+# ---------------------------------------------------------------- CPU
 
 
 @pytest.mark.ext
