@@ -22,8 +22,8 @@
 // the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 2 splits at
 // batch 64 on a 1K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
-// its share of the splits in chunks of 32 with an online rescale, keeping 8 rows of o loads in
-// flight, and the warps merge through shared memory. That kernel is launched with programmatic
+// its share of the splits in chunks of 32 with an online rescale, a chunk's 32 rows of o loads in
+// flight at once, and the warps merge through shared memory. That kernel is launched with programmatic
 // dependent launch so its launch overlaps the first kernel's tail (it executes griddepcontrol.wait
 // before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
 // append of row lengths[b] - 1) the split kernel also issues its first two tiles of K/V loads
@@ -64,7 +64,6 @@ constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks 
 constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
 constexpr int kCombineSplitsPerWarp = 16;  // combine: one warp per 16 splits ...
 constexpr int kCombineMaxWarps = 8;        // ... up to 8
-constexpr int kCombineBatch = 8;           // o rows a combine warp keeps in flight
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -325,9 +324,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 // Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
 // (head, b) writes out[b, head] = sum_s w_s o_s / sum_s w_s l_s, w_s = exp2(m_s - max m). Warp w
 // takes the splits w, w + W, w + 2W, ... in chunks of 32: lane j loads (m, l) of the chunk's j-th
-// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's o
-// rows are summed kCombineBatch at a time (their loads in flight together), each split's weight
-// broadcast from its lane. A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
+// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's 32
+// o rows are loaded all at once (one L2 round trip per chunk; 8 at a time, the 32K cache's 17
+// splits a warp took three, 1.6 us more: bench/RESULTS.md, session 6) and summed in order, each
+// split's weight broadcast from its lane. A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
 // rows are 8-byte aligned, not 16, and each float2 load of a row is one coalesced 256-byte access.
 // Empty splits (m = -inf) get weight 0 and their o (never written) is not loaded. The warps' states
 // then merge through shared memory with one barrier (none when W = 1), and warp 0 writes bf16; all
@@ -369,28 +369,26 @@ __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combin
       acc[i].x *= corr;
       acc[i].y *= corr;
     }
-    const int n = min(32, (splits - first + W - 1) / W);  // splits in this chunk: lanes j < n
-    for (int j0 = 0; j0 < n; j0 += kCombineBatch) {
-      float wj[kCombineBatch];
-      float2 o[kCombineBatch][kPairs];
+    // The chunk's o rows, all their loads in flight at once (a split past the end or empty has
+    // w = 0: nothing loaded), then summed in split order.
+    float wj[32];
+    float2 o[32][kPairs];
 #pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) wj[k] = __shfl_sync(0xffffffffu, w, j0 + k);
+    for (int k = 0; k < 32; ++k) wj[k] = __shfl_sync(0xffffffffu, w, k);
 #pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) {  // j0 + k >= n: wj[k] = 0, nothing loaded
-        const float* row = part + (int64_t)(first + W * (j0 + k)) * kRow + 2 * lane;
+    for (int k = 0; k < 32; ++k) {
+      const float* row = part + (int64_t)(first + W * k) * kRow + 2 * lane;
 #pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i)
-                                 : make_float2(0.f, 0.f);
-        }
+      for (int i = 0; i < kPairs; ++i) {
+        o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i) : make_float2(0.f, 0.f);
       }
+    }
 #pragma unroll
-      for (int k = 0; k < kCombineBatch; ++k) {
+    for (int k = 0; k < 32; ++k) {
 #pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          acc[i].x += wj[k] * o[k][i].x;
-          acc[i].y += wj[k] * o[k][i].y;
-        }
+      for (int i = 0; i < kPairs; ++i) {
+        acc[i].x += wj[k] * o[k][i].x;
+        acc[i].y += wj[k] * o[k][i].y;
       }
     }
   }
