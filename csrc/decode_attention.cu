@@ -22,7 +22,7 @@
 // the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 2 splits at
 // batch 64 on a 1K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
-// its share of the splits in chunks of 32 with an online rescale, a chunk's 32 rows of o loads in
+// its share of the splits in chunks of 32 with an online rescale, all of a chunk's rows of o in
 // flight at once, and the warps merge through shared memory. That kernel is launched with programmatic
 // dependent launch so its launch overlaps the first kernel's tail (it executes griddepcontrol.wait
 // before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
@@ -324,15 +324,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 // Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
 // (head, b) writes out[b, head] = sum_s w_s o_s / sum_s w_s l_s, w_s = exp2(m_s - max m). Warp w
 // takes the splits w, w + W, w + 2W, ... in chunks of 32: lane j loads (m, l) of the chunk's j-th
-// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's 32
-// o rows are loaded all at once (one L2 round trip per chunk; 8 at a time, the 32K cache's 17
-// splits a warp took three, 1.6 us more: bench/RESULTS.md, session 6) and summed in order, each
-// split's weight broadcast from its lane. A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
+// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's o
+// rows are loaded kBatch at a time (their loads in flight together) and summed in order, each
+// split's weight broadcast from its lane. kBatch (combine_batch) is 8 where a warp has at most 8
+// splits, else 32, so that a chunk is one L2 round trip: 8 at a time, the 32K cache's 17 splits a
+// warp took three, 1.6 us more; 32 for every case cost registers (191 a thread) that slowed the many
+// one-warp blocks of batch 64 (bench/RESULTS.md, session 6). A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
 // rows are 8-byte aligned, not 16, and each float2 load of a row is one coalesced 256-byte access.
 // Empty splits (m = -inf) get weight 0 and their o (never written) is not loaded. The warps' states
 // then merge through shared memory with one barrier (none when W = 1), and warp 0 writes bf16; all
 // splits empty (length 0) -> zeros. The summation order depends only on splits: deterministic.
-template <int D>
+template <int D, int kBatch>
 __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combine_kernel(
     const float* __restrict__ workspace,  // [B, H, splits_cap, D + 2]
     __nv_bfloat16* __restrict__ out,      // [B, H, D]
@@ -369,26 +371,30 @@ __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combin
       acc[i].x *= corr;
       acc[i].y *= corr;
     }
-    // The chunk's o rows, all their loads in flight at once (a split past the end or empty has
-    // w = 0: nothing loaded), then summed in split order.
-    float wj[32];
-    float2 o[32][kPairs];
+    // The chunk's o rows, kBatch at a time with their loads in flight together (a split past the
+    // end or empty has w = 0: nothing loaded), summed in split order.
+    const int n = min(32, (splits - first + W - 1) / W);  // splits in this chunk: lanes j < n
+    for (int j0 = 0; j0 < n; j0 += kBatch) {
+      float wj[kBatch];
+      float2 o[kBatch][kPairs];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) wj[k] = __shfl_sync(0xffffffffu, w, k);
+      for (int k = 0; k < kBatch; ++k) wj[k] = __shfl_sync(0xffffffffu, w, j0 + k);
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const float* row = part + (int64_t)(first + W * k) * kRow + 2 * lane;
+      for (int k = 0; k < kBatch; ++k) {
+        const float* row = part + (int64_t)(first + W * (j0 + k)) * kRow + 2 * lane;
 #pragma unroll
-      for (int i = 0; i < kPairs; ++i) {
-        o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i) : make_float2(0.f, 0.f);
+        for (int i = 0; i < kPairs; ++i) {
+          o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i)
+                                 : make_float2(0.f, 0.f);
+        }
       }
-    }
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
+      for (int k = 0; k < kBatch; ++k) {
 #pragma unroll
-      for (int i = 0; i < kPairs; ++i) {
-        acc[i].x += wj[k] * o[k][i].x;
-        acc[i].y += wj[k] * o[k][i].y;
+        for (int i = 0; i < kPairs; ++i) {
+          acc[i].x += wj[k] * o[k][i].x;
+          acc[i].y += wj[k] * o[k][i].y;
+        }
       }
     }
   }
@@ -437,6 +443,12 @@ __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combin
 int combine_warps(int64_t splits) {
   return static_cast<int>(std::clamp<int64_t>(
       (splits + kCombineSplitsPerWarp - 1) / kCombineSplitsPerWarp, 1, kCombineMaxWarps));
+}
+
+// o rows a combine warp keeps in flight: all of a warp's splits (up to a chunk of 32) at once.
+int combine_batch(int64_t splits) {
+  const int64_t w = combine_warps(splits);
+  return (splits + w - 1) / w <= 8 ? 8 : 32;
 }
 
 }  // namespace
@@ -560,7 +572,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
     // The combine may launch while the split kernel drains (programmatic dependent launch).
     err = launch_pdl(
-        decode_attention_combine_kernel<kD>,
+        combine_batch(splits) == 8 ? decode_attention_combine_kernel<kD, 8>
+                                   : decode_attention_combine_kernel<kD, 32>,
         dim3(static_cast<unsigned>(H), static_cast<unsigned>(B)), dim3(32 * combine_warps(splits)),
         0, stream, static_cast<const float*>(workspace.data_ptr<float>()),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
