@@ -23,9 +23,9 @@
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 2 splits at
 // batch 64 on a 1K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
 // its share of the splits in chunks of 32 with an online rescale, all of a chunk's rows of o in
-// flight at once, and the warps merge through shared memory. That kernel is launched with programmatic
-// dependent launch so its launch overlaps the first kernel's tail (it executes griddepcontrol.wait
-// before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
+// flight at once, and the warps merge through shared memory. That kernel is launched with
+// programmatic dependent launch so its launch overlaps the first kernel's tail (it executes
+// griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
 // append of row lengths[b] - 1) the split kernel also issues its first two tiles of K/V loads
 // before its own wait, so the first DRAM round trip overlaps that kernel.
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
@@ -326,11 +326,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 // takes the splits w, w + W, w + 2W, ... in chunks of 32: lane j loads (m, l) of the chunk's j-th
 // split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's o
 // rows are loaded kBatch at a time (their loads in flight together) and summed in order, each
-// split's weight broadcast from its lane. kBatch (combine_batch) is 8 where a warp has at most 8
-// splits, else 32, so that a chunk is one L2 round trip: 8 at a time, the 32K cache's 17 splits a
-// warp took three, 1.6 us more; 32 for every case cost registers (191 a thread) that slowed the many
-// one-warp blocks of batch 64 (bench/RESULTS.md, session 6). A lane owns dims 2 lane + 64 i as float2: a partial is D + 2 floats, so
-// rows are 8-byte aligned, not 16, and each float2 load of a row is one coalesced 256-byte access.
+// split's weight broadcast from its lane. kBatch (combine_batch) is 32 where a warp has more than 8
+// splits, so that a chunk is one L2 round trip (8 at a time, the 32K cache's 17 splits a warp took
+// three: 2 us more at 32K, bench/RESULTS.md, session 6), and 8 otherwise, where 8 rows already are
+// one round trip and the kernel needs 72 registers a thread rather than 191. A lane owns dims
+// 2 lane + 64 i as float2: a partial is D + 2 floats, so rows are 8-byte aligned, not 16, and each
+// float2 load of a row is one coalesced 256-byte access.
 // Empty splits (m = -inf) get weight 0 and their o (never written) is not loaded. The warps' states
 // then merge through shared memory with one barrier (none when W = 1), and warp 0 writes bf16; all
 // splits empty (length 0) -> zeros. The summation order depends only on splits: deterministic.
