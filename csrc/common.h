@@ -252,8 +252,5 @@ __device__ __forceinline__ T block_reduce(T v, T* scratch, Op op, T identity) {
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return block_reduce(v, scratch, Sum{}, 0.f);
 }
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  return block_reduce(v, scratch, Max{}, -INFINITY);
-}
 
 }  // namespace decodex

@@ -25,9 +25,9 @@
 // its share of the splits in chunks of 32 with an online rescale, all of a chunk's rows of o in
 // flight at once, and the warps merge through shared memory. That kernel is launched with
 // programmatic dependent launch so its launch overlaps the first kernel's tail (it executes
-// griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph, whose kernel ahead is the
-// append of row lengths[b] - 1) the split kernel also issues its first two tiles of K/V loads
-// before its own wait, so the first DRAM round trip overlaps that kernel.
+// griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph, whose
+// kernel ahead is the append of row lengths[b] - 1) the split kernel also issues its first two
+// tiles of K/V loads before its own wait, so the first DRAM round trip overlaps that kernel.
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
 // mostly from L2); real models have 1-8.
 //

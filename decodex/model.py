@@ -76,7 +76,7 @@ class _ReferenceOps:
 
     @staticmethod
     def add(residual, x):  # residual + x, rounded to its dtype
-        return reference._add_rounded(residual, x)
+        return reference.add_rounded(residual, x)
 
     @staticmethod
     def rms_norm(x, w, eps):
@@ -174,7 +174,9 @@ class Model:
 
         self.embed = w("model.embed_tokens.weight")  # [V, Hd]
         self.final_norm = w("model.norm.weight")  # [Hd]
-        self.unit_norm = unit_norm(c.hidden_size, self.dtype, self.device)  # [Hd] ones (folded norms)
+        # [Hd] ones for the folded norms, made here, at load: the decode graph's capture must not be
+        # the first to ask unit_norm for it (an allocation and a fill inside the capture).
+        self.unit_norm = unit_norm(c.hidden_size, self.dtype, self.device)
         # Tied (Llama 3.2, small Qwen2): the LM head IS the embedding tensor. An lm_head.weight stored
         # anyway is used only if it differs, as transformers 5 does (it then declines to tie).
         self.lm_head = self.embed  # [V, Hd]

@@ -15,7 +15,7 @@ import math
 import torch
 
 
-def _add_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def add_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b in fp32, rounded to a's dtype: the residual add of gemv(accumulate) and
     fused_add_rms_norm."""
     return (a.float() + b.float()).to(a.dtype)
@@ -35,7 +35,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
-    return y if accumulate is None else _add_rounded(accumulate, y)
+    return y if accumulate is None else add_rounded(accumulate, y)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
@@ -69,7 +69,7 @@ def fused_add_rms_norm(
 
     The norm is taken of the residual as stored (rounded to its dtype), as the kernel does.
     """
-    new_residual = _add_rounded(residual, x)
+    new_residual = add_rounded(residual, x)
     return rms_norm(new_residual, weight, eps), new_residual
 
 
