@@ -52,8 +52,9 @@
 //  * U = 4 (~88 registers, more warps per SM) or U = 8 (128 registers, twice the loads in flight
 //    per warp).
 // The host picks (wr, wk, c, U) per (N, K, M) with a small cost model of waves, bytes in flight
-// and load latency, once per shape (cached). DECODEX_GEMV_CONFIG="wr,wk,c,u" overrides the choice
-// (a tuning knob for bench/gemv.py --sweep, not for the model).
+// and load latency, once per shape (cached). DECODEX_GEMV_CONFIG overrides the choice, for all
+// shapes or per shape (a tuning knob for bench/gemv.py --sweep and scratch sweeps of the decode
+// step, not for the model).
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -63,6 +64,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <utility>
@@ -438,27 +440,30 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
   return full * wave_us(resident) + (rest ? wave_us(rest) : 0.0) + (cf.c > 1 ? kClusterUs : 0.0);
 }
 
-// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes (bench/gemv.py
-// --sweep, 2026-11-29; the 7B lm_head 2026-12-01; M <= 4 takes the M = 1 entry, M > 4 the M = 8
-// one). Other shapes use the cost model.
+// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes (M <= 4 takes
+// the M = 1 entry, M > 4 the M = 8 one). Chosen inside the decode step (scratch sweep of every
+// configuration of one shape through DECODEX_GEMV_CONFIG, the others as they were, graph replay,
+// 2026-12-01, bench/RESULTS.md session 7), where the kernel ahead and programmatic dependent
+// launch change what is best: for example the 1.5B down projection gains from cluster split-K (192
+// blocks instead of 96) in the step but not alone. Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8;
 };
 constexpr TunedShape kTuned[] = {
     // Qwen2.5-1.5B
-    {1536, 1536, {1, 6, 1, 8}, {1, 7, 1, 8}},     // q, o
+    {1536, 1536, {1, 6, 1, 8}, {1, 7, 1, 4}},     // q, o
     {256, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}},      // k, v
-    {2048, 1536, {1, 6, 1, 8}, {1, 7, 1, 8}},     // merged qkv
+    {2048, 1536, {1, 6, 1, 8}, {1, 6, 1, 4}},     // merged qkv
     {17920, 1536, {1, 2, 1, 4}, {1, 2, 1, 4}},    // merged gate|up
-    {1536, 8960, {1, 7, 1, 8}, {1, 7, 1, 8}},     // down
-    {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 4}},   // lm_head
+    {1536, 8960, {1, 7, 2, 8}, {1, 7, 2, 8}},     // down
+    {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 8}},   // lm_head
     // Qwen2.5-7B
     {3584, 3584, {1, 7, 1, 4}, {1, 7, 1, 4}},     // q, o
     {512, 3584, {1, 7, 2, 8}, {1, 7, 2, 8}},      // k, v
-    {4608, 3584, {1, 4, 1, 4}, {1, 4, 1, 4}},     // merged qkv
-    {37888, 3584, {1, 1, 1, 4}, {1, 4, 1, 4}},    // merged gate|up
-    {3584, 18944, {8, 1, 8, 4}, {2, 2, 2, 8}},    // down
+    {4608, 3584, {1, 5, 1, 8}, {1, 4, 2, 4}},     // merged qkv
+    {37888, 3584, {1, 8, 1, 8}, {1, 7, 1, 8}},    // merged gate|up
+    {3584, 18944, {8, 1, 8, 8}, {1, 2, 4, 4}},    // down
     {152064, 3584, {1, 5, 1, 8}, {1, 8, 1, 8}},   // lm_head
 };
 
@@ -487,19 +492,40 @@ GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
   return best;
 }
 
-// DECODEX_GEMV_CONFIG="wr,wk,c,u": a fixed configuration for tuning sweeps.
-bool config_override(GemvConfig& cf, bool clusters) {
+// DECODEX_GEMV_CONFIG: a fixed configuration for tuning sweeps, either "wr,wk,c,u" for every
+// shape, or entries "N,K:wr,wk,c,u" separated by ';' for the shapes they name (N = weight rows, so
+// gate|up is 2I; a shape not named keeps its usual choice).
+bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
   const char* env = std::getenv("DECODEX_GEMV_CONFIG");
   if (env == nullptr || *env == '\0') return false;
-  GemvConfig o{};
-  DX_CHECK(std::sscanf(env, "%d,%d,%d,%d", &o.wr, &o.wk, &o.c, &o.u) == 4,
-              "DECODEX_GEMV_CONFIG must be \"wr,wk,c,u\", got \"", env, "\"");
-  DX_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
-                  o.c <= kMaxCluster && (o.u == 4 || o.u == 8) && (clusters || o.c == 1),
-              "DECODEX_GEMV_CONFIG=\"", env, "\": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ",
-              kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
-  cf = o;
-  return true;
+  const bool per_shape = std::strchr(env, ':') != nullptr;
+  bool found = false;  // every entry is checked, wherever the match is
+  for (const char* p = env; *p != '\0';) {
+    long long n = 0, k = 0;
+    GemvConfig o{};
+    int used = 0;
+    const bool parsed =
+        per_shape ? std::sscanf(p, "%lld,%lld:%d,%d,%d,%d%n", &n, &k, &o.wr, &o.wk, &o.c, &o.u,
+                                &used) == 6
+                  : std::sscanf(p, "%d,%d,%d,%d%n", &o.wr, &o.wk, &o.c, &o.u, &used) == 4;
+    DX_CHECK(parsed && (p[used] == '\0' || (per_shape && p[used] == ';')),
+             "DECODEX_GEMV_CONFIG must be \"wr,wk,c,u\" or \"N,K:wr,wk,c,u;...\", got \"", env,
+             "\"");
+    DX_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
+                 o.c <= kMaxCluster && (o.u == 4 || o.u == 8) && (clusters || o.c == 1),
+             "DECODEX_GEMV_CONFIG=\"", env, "\": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ",
+             kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
+    if (!found && (!per_shape || (n == N && k == K))) {  // the first entry naming the shape
+      cf = o;
+      found = true;
+    }
+    p += used;
+    if (*p == ';') {
+      ++p;
+      DX_CHECK(*p != '\0', "DECODEX_GEMV_CONFIG=\"", env, "\" ends with ';'");
+    }
+  }
+  return found;
 }
 
 }  // namespace
@@ -612,7 +638,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   // Every epilogue has as many tiles as gemv on all `rows` (kSiluMul: 8 gate + 8 up rows each), so
   // all share gemv's configuration for the [rows, K] shape (and its summation order).
   GemvConfig cf{};
-  if (!config_override(cf, clusters)) {
+  if (!config_override(cf, rows, K, clusters)) {
     // One choice per shape; a thread_local map needs no lock.
     thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
     const std::array<int64_t, 4> key{rows, K, M, device};

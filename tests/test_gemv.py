@@ -154,9 +154,23 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
 
 
 @pytest.mark.gpu
+def test_gemv_per_shape_config_override(monkeypatch):
+    """The per-shape form picks the entry naming the call's [N, K] (a cluster variant here) and
+    leaves other shapes to the usual choice."""
+    need = "2" if torch.cuda.get_device_capability()[0] >= 9 else "1"
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", f"8,8:1,1,1,4;769,1544:1,3,{need},8")
+    for N, K in [(769, 1544), (40, 8)]:
+        x, w, b = _inputs(3, N, K, bias=True)
+        out = _gemv(x, w, b, _poisoned(3, N))
+        torch.cuda.synchronize()
+        _check(out, x, w, b)
+
+
+@pytest.mark.gpu
 def test_gemv_bad_config_override(monkeypatch):
     x, w, b = _inputs(2, 64, 64)
-    for bad in ["3,3,1,4", "1,1,16,4", "1,1,1,5", "nonsense"]:
+    for bad in ["3,3,1,4", "1,1,16,4", "1,1,1,5", "nonsense", "64,64:3,3,1,4", "8,8:1,1,1,4;junk",
+                "64,64:1,1,1,4;", "64,64:1,1,1,4;junk"]:
         monkeypatch.setenv("DECODEX_GEMV_CONFIG", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_CONFIG"):
             _gemv(x, w, b, _poisoned(2, 64))
