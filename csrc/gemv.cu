@@ -445,7 +445,8 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // configuration of one shape through DECODEX_GEMV_CONFIG, the others as they were, graph replay,
 // 2026-12-01, bench/RESULTS.md session 7), where the kernel ahead and programmatic dependent
 // launch change what is best: for example the 1.5B down projection gains from cluster split-K (192
-// blocks instead of 96) in the step but not alone. Other shapes use the cost model.
+// blocks instead of 96) in the step; alone it gains only with prefetch_weight (plain calls lose).
+// Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8;
