@@ -19,6 +19,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --quick          # 1.5B, 3 cases, no HF
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
   python -m bench.decode --profile        # per-kernel breakdown of 1.5B steps (b1 1K/32K, b64 1K)
+  python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -35,6 +37,7 @@ import torch
 
 from bench.common import print_table, read_bandwidth_gbs
 from decodex.engine import event_time_ms
+from decodex.model import GEMV_MAX_ROWS
 
 MODELS = {
     "1.5b": dict(name="Qwen2.5-1.5B", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -47,6 +50,7 @@ COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
 # (batch, context), in the order HF's compiled cases run when the budget is short.
 CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024)]
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
+SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, 1.5B
 GPU_STEPS = 100  # replays timed for "GPU ms"
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
@@ -282,6 +286,54 @@ def _err(e: BaseException) -> str:
 
 # ---- main ------------------------------------------------------------------------------------------
 
+SWEEP_STEPS = 60  # replays per configuration in --sweep-gemv
+
+
+def sweep_gemv(model, batch: int, context: int) -> dict:
+    """The GEMV configurations that make the decode step fastest, chosen inside the step: for each
+    weight shape in turn (down, gate|up, qkv, o, lm_head), the step is captured once per kernel
+    configuration of that shape (bench.gemv's list, forced through DECODEX_GEMV_CONFIG's per-shape
+    form, the shapes before it at their kept choice) and its replays timed; a configuration is kept
+    if it beats the step as it was by more than 0.3%. batch <= 4 tunes csrc/gemv.cu's M = 1 entries,
+    5..8 its M = 8 ones. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept."""
+    from bench.gemv import ENV, _configs
+
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    layer = model.layers[0]
+    shapes = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.qkv_w, layer.o_w, model.lm_head)]
+    runner = make_runner(model, batch, context)
+    kept: dict[tuple[int, int], str] = {}
+
+    def step_ms(extra: dict) -> float:
+        entries = dict(kept, **extra)
+        if entries:
+            os.environ[ENV] = ";".join(f"{n},{k}:{cfg}" for (n, k), cfg in entries.items())
+        else:
+            os.environ.pop(ENV, None)
+        runner.drop_graphs()
+        load_rows(runner, batch, context)
+        return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
+
+    try:
+        for N, K in shapes:
+            t0 = time.perf_counter()
+            before = min(step_ms({}) for _ in range(2))
+            timed = sorted((step_ms({(N, K): cfg}), cfg) for cfg in _configs(N, K, clusters))
+            if timed[0][0] < 0.997 * before:
+                kept[(N, K)] = timed[0][1]
+            best = ", ".join(f"({cfg}) {ms:.4f}" for ms, cfg in timed[:5])
+            print(f"  {N}x{K}: step {before:.4f} ms as it was; best {best}; kept: {kept.get((N, K), '-')}"
+                  f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"  all kept: {ENV}=\"{';'.join(f'{n},{k}:{c}' for (n, k), c in kept.items())}\": step "
+              f"{min(step_ms({}) for _ in range(3)):.4f} ms", flush=True)
+    finally:
+        os.environ.pop(ENV, None)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    return kept
+
+
 def parse_cases(text: str) -> list[tuple[int, int]]:
     cases = []
     for part in text.split(","):
@@ -401,6 +453,9 @@ def parse_args(argv):
                    help="seconds for torch.compile cases over all models (default 200)")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel breakdown of a 1.5B step (batch 1 at 1K and 32K, batch 64 at 1K)")
+    p.add_argument("--sweep-gemv", action="store_true",
+                   help="instead of the table: choose each GEMV shape's configuration inside the step "
+                        "(per model and case; batch <= 8, no HF)")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -410,7 +465,9 @@ def parse_args(argv):
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    args.cases = parse_cases(args.cases) if args.cases else list(CASES)
+    args.cases = parse_cases(args.cases) if args.cases else list(SWEEP_CASES if args.sweep_gemv else CASES)
+    if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
+        p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")
     return args
 
 
@@ -419,7 +476,17 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench.decode needs a CUDA GPU")
     t0 = time.perf_counter()
-    rows(args)
+    if args.sweep_gemv:
+        for key in args.models:
+            model = build_decodex(key)
+            for batch, context in args.cases:
+                print(f"{MODELS[key]['name']} b{batch} ctx{context}: in-step GEMV sweep", flush=True)
+                sweep_gemv(model, batch, context)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    else:
+        rows(args)
     print(f"bench.decode took {time.perf_counter() - t0:.0f} s")
 
 

@@ -441,12 +441,12 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 }
 
 // Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes (M <= 4 takes
-// the M = 1 entry, M > 4 the M = 8 one). Chosen inside the decode step (scratch sweep of every
-// configuration of one shape through DECODEX_GEMV_CONFIG, the others as they were, graph replay,
-// 2026-12-01, bench/RESULTS.md session 7), where the kernel ahead and programmatic dependent
-// launch change what is best: for example the 1.5B down projection gains from cluster split-K (192
-// blocks instead of 96) in the step; alone it gains only with prefetch_weight (plain calls lose).
-// Other shapes use the cost model.
+// the M = 1 entry, M > 4 the M = 8 one). Chosen inside the decode step, as `python -m bench.decode
+// --sweep-gemv` does: each shape's configurations forced in turn through DECODEX_GEMV_CONFIG, the
+// step's graph replays timed (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md,
+// session 7). The kernel ahead and programmatic dependent launch change what is best: for example
+// the 1.5B down projection gains from cluster split-K (192 blocks instead of 96) in the step; alone
+// it gains only with prefetch_weight (plain calls lose). Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8;

@@ -75,9 +75,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decodex import _ext, reference
+from decodex.model import GEMV_MAX_ROWS  # decodex.gemv's limit on the rows of x
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-GEMV_MAX_ROWS = 8  # decodex.gemv's limit on the rows of x
 # Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
 # rows at its first capture; the fastest step is kept. Qwen2.5-1.5B keeps both, Qwen2.5-7B only
 # qkv: its gate|up GEMV with the norm measured slower in the step than an rms_norm kernel before it
@@ -681,6 +681,11 @@ class CudaGraphRunner(HostLoop):
             self._step(n, greedy)
         self.stream.wait_stream(cs)
         return graph
+
+    def drop_graphs(self) -> None:
+        """Forget the captured step graphs, so the next step captures again (tuning sweeps that
+        change DECODEX_GEMV_CONFIG between captures). The norm choices (rms_in_gemv) are kept."""
+        self._graphs.clear()
 
     def capture(self, batch: int, greedy: bool = True) -> int:
         """Capture the graph for `batch` rows now (rather than on first use); returns its size."""
