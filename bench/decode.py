@@ -305,7 +305,7 @@ def sweep_gemv(model, batch: int, context: int) -> dict:
     kept: dict[tuple[int, int], str] = {}
 
     def step_ms(extra: dict) -> float:
-        entries = dict(kept, **extra)
+        entries = {**kept, **extra}
         if entries:
             os.environ[ENV] = ";".join(f"{n},{k}:{cfg}" for (n, k), cfg in entries.items())
         else:
@@ -328,9 +328,6 @@ def sweep_gemv(model, batch: int, context: int) -> dict:
               f"{min(step_ms({}) for _ in range(3)):.4f} ms", flush=True)
     finally:
         os.environ.pop(ENV, None)
-        del runner
-        gc.collect()
-        torch.cuda.empty_cache()
     return kept
 
 
@@ -482,6 +479,8 @@ def main(argv=None):
             for batch, context in args.cases:
                 print(f"{MODELS[key]['name']} b{batch} ctx{context}: in-step GEMV sweep", flush=True)
                 sweep_gemv(model, batch, context)
+                gc.collect()
+                torch.cuda.empty_cache()
             del model
             gc.collect()
             torch.cuda.empty_cache()

@@ -14,3 +14,44 @@ def test_sweep_gemv_cases():
     assert decode.parse_args([]).cases == decode.CASES
     with pytest.raises(SystemExit):  # more rows than the GEMV takes: nothing of it to tune
         decode.parse_args(["--sweep-gemv", "--cases", "1x1024,64x1024"])
+
+
+def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
+    """The greedy rule on a stand-in runner (no GPU): a step time that depends on the forced
+    configurations. Only the down shape's "1,1,1,4" is 10% faster; the other shapes' best is within
+    0.3%, so nothing else is kept, each later sweep carries the kept entry, and the environment is
+    left as found."""
+    import os
+    import types
+
+    import torch
+
+    from bench.gemv import ENV
+
+    seen = []
+
+    class Runner:
+        def drop_graphs(self):
+            pass
+
+        def capture(self, batch):
+            return batch
+
+        def time_steps(self, n, steps):
+            env = os.environ.get(ENV, "")
+            seen.append(env)
+            ms = 1.0 - (0.1 if "32,256:1,1,1,4" in env else 0.0) - (0.001 if "48,32:1,1,1,8" in env else 0.0)
+            return [ms] * steps
+
+    layer = types.SimpleNamespace(down_w=torch.empty(32, 256), gate_up_w=torch.empty(48, 32),
+                                  qkv_w=torch.empty(40, 32), o_w=torch.empty(32, 32))
+    model = types.SimpleNamespace(layers=[layer], lm_head=torch.empty(64, 32))
+    monkeypatch.setattr(decode, "make_runner", lambda m, b, c: Runner())
+    monkeypatch.setattr(decode, "load_rows", lambda r, b, c: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.delenv(ENV, raising=False)
+    assert decode.sweep_gemv(model, 1, 1024) == {(32, 256): "1,1,1,4"}
+    assert ENV not in os.environ
+    later = [e for e in seen if "48,32:" in e or "40,32:" in e]
+    assert later and all(e.startswith("32,256:1,1,1,4;") for e in later)
+    assert "all kept: DECODEX_GEMV_CONFIG=\"32,256:1,1,1,4\"" in capsys.readouterr().out
