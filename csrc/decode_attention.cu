@@ -175,6 +175,14 @@ __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (
   }
 }
 
+// The tokens per split for a live length len: equal ranges of whole tiles over the splits, none
+// shorter than kMinSplitTokens. Split s holds [s * chunk, min((s + 1) * chunk, len)): empty iff
+// s * chunk >= len. The split kernel and the combine both use it, so they agree on which are empty.
+__device__ __forceinline__ int split_chunk(int len, int splits) {
+  const int per = (len + splits - 1) / splits;
+  return max(kMinSplitTokens, (per + kTile - 1) / kTile * kTile);
+}
+
 // Phase 1: grid (splits, Hkv * head_blocks, B), kWarps warps. Block (split, kvh/hb, b) attends the
 // query heads [8hb, 8hb + 8) of KV head kvh's group over tokens [split*chunk, +chunk) ∩ [0, len),
 // chunk from the live length len
@@ -198,9 +206,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
   const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
   const int len = min(max(lengths[b], 0), S);
-  // Equal ranges of whole tiles over the splits, none shorter than kMinSplitTokens.
-  const int per = (len + splits - 1) / splits;
-  const int chunk = max(kMinSplitTokens, (per + kTile - 1) / kTile * kTile);
+  const int chunk = split_chunk(len, splits);
   const int start = split * chunk;
   const int end = min(start + chunk, len);
   const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head
@@ -324,9 +330,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 // Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
 // (head, b) writes out[b, head] = sum_s w_s o_s / sum_s w_s l_s, w_s = exp2(m_s - max m). Warp w
 // takes the splits w, w + W, w + 2W, ... in chunks of 32: lane j loads (m, l) of the chunk's j-th
-// split, the chunk max (shuffles) rescales the warp's running (M, l, o) online, and the chunk's o
-// rows are loaded kBatch at a time (their loads in flight together) and summed in order, each
-// split's weight broadcast from its lane. kBatch (combine_batch) is 32 where a warp has more than 8
+// split and, in the same round trip, the chunk's o rows are loaded kBatch at a time (the live
+// splits are known from the length, so these loads wait for nothing); the chunk max (shuffles)
+// rescales the warp's running (M, l, o) online and the rows are summed in order, each split's
+// weight broadcast from its lane. kBatch (combine_batch) is 32 where a warp has more than 8
 // splits, so that a chunk is one L2 round trip (8 at a time, the 32K cache's 17 splits a warp took
 // three: 2 us more at 32K, bench/RESULTS.md, session 6), and 8 otherwise, where 8 rows already are
 // one round trip and the kernel needs 72 registers a thread rather than 191. A lane owns dims
@@ -338,9 +345,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 template <int D, int kBatch>
 __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combine_kernel(
     const float* __restrict__ workspace,  // [B, H, splits_cap, D + 2]
+    const int* __restrict__ lengths,      // [B]
     __nv_bfloat16* __restrict__ out,      // [B, H, D]
-    int H, int splits, int splits_cap) {
-  pdl_begin();  // phase 1 complete and visible
+    int H, int S, int splits, int splits_cap) {
   constexpr int kRow = D + 2;     // floats per partial: o[D], m, l
   constexpr int kPairs = D / 64;  // float2 of o per lane
   __shared__ float sm_m[kCombineMaxWarps], sm_l[kCombineMaxWarps];
@@ -349,21 +356,56 @@ __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combin
   const int head = blockIdx.x, b = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
   const float* part = workspace + ((int64_t)b * H + head) * splits_cap * kRow;
+  // The non-empty splits are a prefix, [0, live): known from the length (read before the wait:
+  // the split kernel ahead never writes it), so each chunk's o rows load with its (m, l), in one
+  // round trip, rather than after them.
+  const int len = min(max(lengths[b], 0), S);
+  const int chunk = split_chunk(len, splits);
+  const int live = min(splits, (len + chunk - 1) / chunk);
+  pdl_begin();  // phase 1 complete and visible
 
-  float M = -INFINITY;  // max m over the warp's live chunks so far (log2 units)
+  float M = -INFINITY;  // max m over the warp's chunks so far (log2 units)
   float l = 0.f;        // lane j's share of the running sum: the j-th split of each chunk
   float2 acc[kPairs];   // running sum of w_s o_s over the warp's splits, dims 2 lane + 64 i
 #pragma unroll
   for (int i = 0; i < kPairs; ++i) acc[i] = make_float2(0.f, 0.f);
 
-  for (int first = warp; first < splits; first += 32 * W) {  // chunk: splits first + W j, j < 32
+  // A batch of the chunk's o rows, loaded together (zeros for an empty split: never written),
+  // then summed in split order, each split's weight broadcast from its lane.
+  float2 o[kBatch][kPairs];
+  auto load_batch = [&](int first, int j0) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int sk = first + W * (j0 + k);
+      const float* row = part + (int64_t)sk * kRow + 2 * lane;
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        o[k][i] = sk < live ? *reinterpret_cast<const float2*>(row + 64 * i) : make_float2(0.f, 0.f);
+      }
+    }
+  };
+  auto add_batch = [&](float w, int j0) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const float wj = __shfl_sync(0xffffffffu, w, j0 + k);
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        acc[i].x += wj * o[k][i].x;
+        acc[i].y += wj * o[k][i].y;
+      }
+    }
+  };
+
+  // Chunk: splits first + W j, j < 32. A chunk at or past `live` is empty, and so are the later
+  // ones; otherwise its first split is live, so the chunk max is finite.
+  for (int first = warp; first < live; first += 32 * W) {
     const int s = first + W * lane;
-    const float2 ml = s < splits ? *reinterpret_cast<const float2*>(part + (int64_t)s * kRow + D)
-                                 : make_float2(-INFINITY, 0.f);
+    load_batch(first, 0);
+    const float2 ml = s < live ? *reinterpret_cast<const float2*>(part + (int64_t)s * kRow + D)
+                               : make_float2(-INFINITY, 0.f);
     const float chunk_max = warp_reduce(ml.x, Max{});
-    if (chunk_max == -INFINITY) continue;  // the whole chunk empty (the same in every lane)
     const float M_new = fmaxf(M, chunk_max);
-    const float corr = exp2f(M - M_new);  // 0 on the warp's first live chunk (M = -inf)
+    const float corr = exp2f(M - M_new);  // 0 on the warp's first chunk (M = -inf)
     const float w = exp2f(ml.x - M_new);  // 0 for an empty split and for s >= splits
     M = M_new;
     l = l * corr + w * ml.y;
@@ -372,31 +414,11 @@ __global__ void __launch_bounds__(kCombineMaxWarps * 32) decode_attention_combin
       acc[i].x *= corr;
       acc[i].y *= corr;
     }
-    // The chunk's o rows, kBatch at a time with their loads in flight together (a split past the
-    // end or empty has w = 0: nothing loaded), summed in split order.
+    add_batch(w, 0);
     const int n = min(32, (splits - first + W - 1) / W);  // splits in this chunk: lanes j < n
-    for (int j0 = 0; j0 < n; j0 += kBatch) {
-      float wj[kBatch];
-      float2 o[kBatch][kPairs];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) wj[k] = __shfl_sync(0xffffffffu, w, j0 + k);
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const float* row = part + (int64_t)(first + W * (j0 + k)) * kRow + 2 * lane;
-#pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          o[k][i] = wj[k] != 0.f ? *reinterpret_cast<const float2*>(row + 64 * i)
-                                 : make_float2(0.f, 0.f);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-#pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          acc[i].x += wj[k] * o[k][i].x;
-          acc[i].y += wj[k] * o[k][i].y;
-        }
-      }
+    for (int j0 = kBatch; j0 < n; j0 += kBatch) {
+      load_batch(first, j0);
+      add_batch(w, j0);
     }
   }
   l = warp_reduce(l, Sum{});
@@ -577,8 +599,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                                    : decode_attention_combine_kernel<kD, 32>,
         dim3(static_cast<unsigned>(H), static_cast<unsigned>(B)), dim3(32 * combine_warps(splits)),
         0, stream, static_cast<const float*>(workspace.data_ptr<float>()),
+        static_cast<const int*>(lengths.data_ptr<int>()),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(H),
-        static_cast<int>(splits), static_cast<int>(workspace.size(2)));
+        static_cast<int>(S), static_cast<int>(splits), static_cast<int>(workspace.size(2)));
     DX_CHECK_LAUNCHED(err, "decode_attention (combine)");
     DX_CHECK_LAUNCH("decode_attention (combine)");
   };

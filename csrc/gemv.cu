@@ -651,38 +651,17 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   }
 
   const int64_t tiles = silu ? ceil_div(N, kTileRows / 2) : ceil_div(N, kTileRows);
-  cudaLaunchConfig_t launch = {};
-  launch.gridDim = dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c));
-  launch.blockDim = dim3(static_cast<unsigned>(cf.wr * cf.wk * 32));
   const GemvKernel kernel =
       kernel_for(static_cast<int>(M), cf.u, epilogue, options.rms_eps.has_value());
-  launch.dynamicSmemBytes = 0;
-  launch.stream = current_stream();
-  // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
-  // pdl_begin in common.h).
-  cudaLaunchAttribute attr[2];
-  int n_attr = 0;
-  if (cf.c > 1) {
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(cf.c);
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr].val.clusterDim.z = 1;
-    ++n_attr;
-  }
-  if (pdl_enabled()) {
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attr;
-  }
-  launch.attrs = attr;
-  launch.numAttrs = n_attr;
-
   const int64_t ldx = M == 1 ? 0 : x.stride(0);
   const int64_t ldw = rows == 1 ? 0 : weight.stride(0);
   const int64_t ldo = M == 1 ? 0 : out.stride(0);
-  const cudaError_t err = cudaLaunchKernelEx(
-      &launch, kernel,
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+  // Clusters of c > 1 blocks for the split-K reduction, and programmatic dependent launch (see
+  // pdl_begin in common.h).
+  const cudaError_t err = launch_pdl_clusters(
+      kernel, dim3(static_cast<unsigned>(ceil_div(tiles, cf.wr) * cf.c)),
+      dim3(static_cast<unsigned>(cf.wr * cf.wk * 32)), 0, current_stream(),
+      static_cast<unsigned>(cf.c), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias_ptr,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), ldx, ldw, ldo, static_cast<int>(N),
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
