@@ -34,15 +34,22 @@ TORCH_LIBRARY(decodex, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out) -> ()");
   // q[B,H,D] and k[B,Hkv,D] rotated in place (half-split RoPE at positions[B], int32);
   // k and v then written to k_cache/v_cache[B,Hkv,S,D] at that position. positions[b] < 0: row skipped.
-  m.def("rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, Tensor(c!) k_cache, Tensor(d!) v_cache) -> ()");
+  // rms_x [B, K] (with rms_eps) and bias [(H+2Hkv)*D]: q, k, v (rows of an unscaled q|k|v product)
+  // first scaled by 1/rms(rms_x row), biased and rounded to bf16, as gemv(rms_eps) + bias stores
+  // them; v keeps its values, its cache row gets the scaled ones.
+  m.def("rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, "
+        "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor? rms_x=None, float? rms_eps=None, "
+        "Tensor? bias=None) -> ()");
   // out[M,(H+2Hkv)*D] = x @ weight^T (+ bias) for the merged q|k|v weight, then rope_append on out's
   // q|k|v rows (q, k rotated, k and v written to the caches [M,Hkv,S,D] at positions[M]): one kernel,
   // equal to gemv + rope_append bit for bit; M <= 8.
   m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, "
         "Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False, "
         "float? rms_eps=None) -> ()");
-  // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:].
-  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:]. rms_x [M, K] (with rms_eps): each gate_up row
+  // is first scaled by 1/rms(rms_x row) = rsqrt(mean(x^2) + rms_eps) and rounded to bf16, as gemv's
+  // rms_eps scales its product (for a gate|up product of x that cuBLAS computed unscaled).
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out, Tensor? rms_x=None, float? rms_eps=None) -> ()");
   // out[B,H,D] = softmax(q k^T * scale) v over the first lengths[b] (int32, on device) cache rows.
   // workspace: fp32 [B, H, splits, D + 2], splits >= decode_attention_splits(B, Hkv, S).
   // prefetch_cache: the caller promises that the kernel just before this one on the stream writes

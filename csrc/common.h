@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -92,6 +93,41 @@ inline void check_shape(const at::Tensor& t, const char* name, Sizes... sizes) {
   } while (0)
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// The optional rms_x [M, K] (with rms_eps) of silu_mul and rope_append: the rows whose 1/rms scales
+// each row of an unscaled product first. Checks it (bf16 on ref's device, contiguous rows of a
+// stride that is a multiple of 8, 16-byte aligned, K a positive multiple of 8) and returns its
+// pointer (null without it), K and row stride.
+struct RmsX {
+  const void* ptr = nullptr;
+  int64_t K = 0, stride = 0;
+  float eps = 0.f;
+};
+inline RmsX check_rms_x(const char* op, const std::optional<at::Tensor>& rms_x,
+                        std::optional<double> rms_eps, int64_t M, const at::Tensor& ref) {
+  DX_CHECK(rms_x.has_value() == rms_eps.has_value(), op, ": rms_x and rms_eps go together (got only ",
+           rms_x ? "rms_x" : "rms_eps", ")");
+  RmsX r;
+  if (!rms_x) return r;
+  const at::Tensor& x = *rms_x;
+  DX_CHECK(x.is_cuda() && x.device() == ref.device(), "rms_x must be a CUDA tensor on ", ref.device(),
+           ", got ", x.device());
+  DX_CHECK(x.scalar_type() == at::kBFloat16, "rms_x must have dtype BFloat16, got ", x.scalar_type());
+  DX_CHECK(x.dim() == 2 && x.size(0) == M && x.size(1) > 0 && x.size(1) % 8 == 0 &&
+               x.size(1) <= 0x7fffffff,
+           "rms_x must have shape [M, K] with M = ", M, " and K a positive multiple of 8, got ",
+           x.sizes());
+  DX_CHECK(x.stride(1) == 1 && (M <= 1 || (x.stride(0) >= x.size(1) && x.stride(0) % 8 == 0)),
+           "rms_x must have contiguous rows with a stride that is a multiple of 8, got strides ",
+           x.strides());
+  DX_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "rms_x must be 16-byte aligned");
+  DX_CHECK(*rms_eps >= 0.0, op, ": rms_eps must be >= 0, got ", *rms_eps);
+  r.ptr = x.data_ptr();
+  r.K = x.size(1);
+  r.stride = M <= 1 ? 0 : x.stride(0);
+  r.eps = static_cast<float>(*rms_eps);
+  return r;
+}
 
 // A device attribute, asked once per device (ordinals below 64) and cached; 0 stands for "not
 // asked yet" (the attributes cached here are never 0).

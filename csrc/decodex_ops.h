@@ -53,9 +53,11 @@ inline void fused_add_rms_norm(const T& x, T& residual, const T& weight, double 
 }
 
 inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& positions, T& k_cache,
-                        T& v_cache) {
-  static auto h = detail::op<void(T&, T&, const T&, const T&, const T&, T&, T&)>("decodex::rope_append");
-  h.call(q, k, v, inv_freq, positions, k_cache, v_cache);
+                        T& v_cache, const OptT& rms_x = std::nullopt, OptD rms_eps = std::nullopt,
+                        const OptT& bias = std::nullopt) {
+  static auto h = detail::op<void(T&, T&, const T&, const T&, const T&, T&, T&, const OptT&, OptD,
+                                  const OptT&)>("decodex::rope_append");
+  h.call(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias);
 }
 
 inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, const T& inv_freq,
@@ -66,9 +68,10 @@ inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, cons
   h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, rms_eps);
 }
 
-inline void silu_mul(const T& gate_up, T& out) {
-  static auto h = detail::op<void(const T&, T&)>("decodex::silu_mul");
-  h.call(gate_up, out);
+inline void silu_mul(const T& gate_up, T& out, const OptT& rms_x = std::nullopt,
+                     OptD rms_eps = std::nullopt) {
+  static auto h = detail::op<void(const T&, T&, const OptT&, OptD)>("decodex::silu_mul");
+  h.call(gate_up, out, rms_x, rms_eps);
 }
 
 // prefetch_cache: see the schema (the kernel just before writes no cache row but lengths[b] - 1).

@@ -57,17 +57,28 @@ __device__ __forceinline__ u64 block_max_u64(u64 v, u64* scratch) {
   return block_reduce(v, scratch, Max{}, u64{0});
 }
 
-// The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride blockDim).
+// The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride blockDim),
+// four groups' loads issued together per trip (the max does not care about order).
 template <typename T>
 __device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t V, int64_t c_begin,
                                              int64_t c_end, bool vec_ok) {
+  constexpr int kGroups = 4;
   u64 best = 0;
-  for (int64_t c = c_begin + threadIdx.x; c < c_end; c += blockDim.x) {
-    float f[8];
-    const int n = load8(row, V, c, vec_ok, f);
+  for (int64_t c = c_begin + threadIdx.x; c < c_end; c += kGroups * blockDim.x) {
+    float f[kGroups][8];
+    int n[kGroups];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < n) best = Max{}(best, argmax_key(f[j], static_cast<unsigned>(c * 8 + j)));
+    for (int u = 0; u < kGroups; ++u) {
+      const int64_t cu = c + u * static_cast<int64_t>(blockDim.x);
+      n[u] = cu < c_end ? load8(row, V, cu, vec_ok, f[u]) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kGroups; ++u) {
+      const int64_t cu = c + u * static_cast<int64_t>(blockDim.x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < n[u]) best = Max{}(best, argmax_key(f[u][j], static_cast<unsigned>(cu * 8 + j)));
+    }
   }
   return best;
 }

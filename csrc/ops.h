@@ -13,12 +13,15 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps, at::Tensor& out);
 void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
-                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache);
+                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
+                 const std::optional<at::Tensor>& bias);
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
                       at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps);
-void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at::Tensor>& rms_x,
+              std::optional<double> rms_eps);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
                       at::Tensor& out, bool prefetch_cache);

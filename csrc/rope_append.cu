@@ -9,6 +9,13 @@
 // separately rounded products and sums (x1*cos - x2*sin, x2*cos + x1*sin: bit-identical fp32 to the
 // reference given the same cos/sin), writes q or k back in place and, for k and v, the row
 // `positions[b]` of the cache. Llama-3 scaling only changes inv_freq, which the caller precomputes.
+// rms_x / bias (the decode step's cuBLAS path, whose qkv GEMM reads the unnormalised residual
+// without the bias): q, k and v are first scaled by 1/rms(rms_x row), the bias added and the sum
+// rounded to bf16, as gemv's rms_eps and bias epilogue stores its product; v itself is left as it
+// was (only its cache row is written).
+// A thread's first item is loaded before positions[b] is read, so those two L2 round trips overlap
+// instead of following each other (at batch 64 the op sits between a cuBLAS GEMM and attention, on
+// the step's critical path).
 //
 // Rows: positions[b] < 0 skips row b entirely (padding slot). positions[b] >= S (the cache capacity)
 // also skips the whole row: nothing is written, q and k stay unrotated. That is a caller bug (the
@@ -40,14 +47,63 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
                    __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], strides (kc_b, kc_h, D, 1)
                    int64_t kc_b, int64_t kc_h,
                    __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], strides (vc_b, vc_h, D, 1)
-                   int64_t vc_b, int64_t vc_h, int H, int Hkv, int S, int D) {
+                   int64_t vc_b, int64_t vc_h, int H, int Hkv, int S, int D,
+                   const __nv_bfloat16* __restrict__ rms_x,  // [B, K], row stride x_stride, or null
+                   int64_t x_stride, int K, float rms_eps,
+                   const __nv_bfloat16* __restrict__ bias) {  // [(H + 2 Hkv) D] or null
   pdl_begin();
   extern __shared__ float cs[];  // cos [D/2] then sin [D/2]
+  __shared__ float scratch[32];
   const int64_t b = blockIdx.x;
+  const int half = D / 2;
+  const int slices = half / 8;  // 8-element slices of each half
+  const int items = (H + 2 * Hkv) * slices;
+  // Item `it`: the (head, slice) of q, k or v; its source row and first pair index.
+  auto source = [&](int it, int& head, int& c0) -> const __nv_bfloat16* {
+    head = it / slices;
+    c0 = (it - head * slices) * 8;
+    if (head < H) return q + b * q_stride + static_cast<int64_t>(head) * D;
+    if (head < H + Hkv) return k + b * k_stride + static_cast<int64_t>(head - H) * D;
+    return v + b * v_stride + static_cast<int64_t>(head - H - Hkv) * D;
+  };
+  // This thread's first item is loaded before the position is known, so its round trip overlaps
+  // the position's and the cos/sin table's (a row that turns out to be skipped just discards it).
+  bf16x8 first1 = {}, first2 = {};
+  if (threadIdx.x < items) {
+    int head, c0;
+    const __nv_bfloat16* x = source(threadIdx.x, head, c0);
+    first1 = *reinterpret_cast<const bf16x8*>(x + c0);
+    first2 = *reinterpret_cast<const bf16x8*>(x + half + c0);
+  }
+  // rms_x: this thread's share of the row's sum of squares, also before the position (its loads
+  // then overlap the others); the block sums it below.
+  float ss = 0.f;
+  if (rms_x != nullptr) {
+    const __nv_bfloat16* xr = rms_x + b * x_stride;
+    for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
+      float xf[8];
+      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(xr + 8 * j), xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
+    }
+  }
   const int pos = positions[b];
   if (pos < 0 || pos >= S) return;  // the whole block leaves together: no barrier is skipped
+  // rms_x: 1/rms of the row, the product's scale
+  const float scale = rms_x != nullptr ? rms_inv(block_sum(ss, scratch), K, rms_eps) : 1.f;
+  // An item's 8 values at offset `at` of its head (rms_x / bias: scaled, biased and rounded to bf16
+  // first, as gemv's rms_eps and bias epilogue stores its product).
+  auto prepared = [&](const bf16x8& raw, int head, int at, float (&f)[8]) {
+    bf16x8_to_float(raw, f);
+    if (rms_x == nullptr && bias == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float y = __fmul_rn(f[j], scale);
+      if (bias != nullptr) y = __fadd_rn(y, __bfloat162float(bias[static_cast<int64_t>(head) * D + at + j]));
+      f[j] = __bfloat162float(__float2bfloat16_rn(y));
+    }
+  };
 
-  const int half = D / 2;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float s, c;
     rope_cos_sin(pos, inv_freq[i], c, s);
@@ -56,24 +112,24 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
   }
   __syncthreads();
 
-  const int slices = half / 8;  // 8-element slices of each half
-  const int items = (H + 2 * Hkv) * slices;
   for (int it = threadIdx.x; it < items; it += blockDim.x) {
-    const int head = it / slices;
-    const int c0 = (it - head * slices) * 8;  // first pair index of this slice
+    int head, c0;
+    const __nv_bfloat16* x = source(it, head, c0);
+    const bf16x8 a1 = it == threadIdx.x ? first1 : *reinterpret_cast<const bf16x8*>(x + c0);
+    const bf16x8 a2 = it == threadIdx.x ? first2 : *reinterpret_cast<const bf16x8*>(x + half + c0);
+    float x1[8], x2[8];
+    prepared(a1, head, c0, x1);
+    prepared(a2, head, half + c0, x2);
     if (head < H + Hkv) {
-      __nv_bfloat16* x = head < H ? q + b * q_stride + static_cast<int64_t>(head) * D
-                                  : k + b * k_stride + static_cast<int64_t>(head - H) * D;
-      float x1[8], x2[8], o1[8], o2[8];
-      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(x + c0), x1);
-      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(x + half + c0), x2);
+      float o1[8], o2[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         rope_rotate(x1[j], x2[j], cs[c0 + j], cs[half + c0 + j], o1[j], o2[j]);
       }
       const bf16x8 r1 = float_to_bf16x8(o1), r2 = float_to_bf16x8(o2);
-      *reinterpret_cast<bf16x8*>(x + c0) = r1;
-      *reinterpret_cast<bf16x8*>(x + half + c0) = r2;
+      __nv_bfloat16* xw = const_cast<__nv_bfloat16*>(x);  // q or k: rotated in place
+      *reinterpret_cast<bf16x8*>(xw + c0) = r1;
+      *reinterpret_cast<bf16x8*>(xw + half + c0) = r2;
       if (head >= H) {
         __nv_bfloat16* dst =
             k_cache + b * kc_b + static_cast<int64_t>(head - H) * kc_h + static_cast<int64_t>(pos) * D;
@@ -82,11 +138,10 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
       }
     } else {
       const int h = head - H - Hkv;
-      const __nv_bfloat16* src = v + b * v_stride + static_cast<int64_t>(h) * D;
       __nv_bfloat16* dst =
           v_cache + b * vc_b + static_cast<int64_t>(h) * vc_h + static_cast<int64_t>(pos) * D;
-      *reinterpret_cast<bf16x8*>(dst + c0) = *reinterpret_cast<const bf16x8*>(src + c0);
-      *reinterpret_cast<bf16x8*>(dst + half + c0) = *reinterpret_cast<const bf16x8*>(src + half + c0);
+      *reinterpret_cast<bf16x8*>(dst + c0) = float_to_bf16x8(x1);  // a1, a2 unless scaled / biased
+      *reinterpret_cast<bf16x8*>(dst + half + c0) = float_to_bf16x8(x2);
     }
   }
 }
@@ -146,7 +201,9 @@ void check_rope_inputs(const at::Tensor& inv_freq, const at::Tensor& positions, 
 // q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
 // k_cache/v_cache[B,Hkv,S,D] row positions[b]. positions[b] < 0 or >= S: row b untouched.
 void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
-                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache) {
+                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
+                 const std::optional<at::Tensor>& bias) {
   DX_CHECK(q.dim() == 3, "rope_append: q must be 3-D [B, H, D], got shape ", q.sizes());
   DX_CHECK(k.dim() == 3, "rope_append: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
   DX_CHECK(k_cache.dim() == 4, "rope_append: k_cache must be 4-D [B, Hkv, S, D], got shape ",
@@ -165,6 +222,16 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
   check_rope_inputs(inv_freq, positions, B, D, q);
   DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
               "rope_append: sizes too large");
+  const RmsX rx = check_rms_x("rope_append", rms_x, rms_eps, B, q);
+  if (bias) {
+    DX_CHECK(bias->is_cuda() && bias->device() == q.device(), "bias must be a CUDA tensor on ",
+             q.device(), ", got ", bias->device());
+    DX_CHECK(bias->scalar_type() == at::kBFloat16, "bias must have dtype BFloat16, got ",
+             bias->scalar_type());
+    DX_CHECK(bias->dim() == 1 && bias->size(0) == (H + 2 * Hkv) * D && bias->stride(0) == 1,
+             "bias must be contiguous of shape [(H + 2 Hkv) * D] = [", (H + 2 * Hkv) * D, "], got ",
+             bias->sizes());
+  }
   if (B == 0 || S == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -179,7 +246,9 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
       positions.data_ptr<int>(), reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()),
       k_cache.stride(0), k_cache.stride(1), reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
       v_cache.stride(0), v_cache.stride(1), static_cast<int>(H), static_cast<int>(Hkv),
-      static_cast<int>(S), static_cast<int>(D));
+      static_cast<int>(S), static_cast<int>(D), static_cast<const __nv_bfloat16*>(rx.ptr), rx.stride,
+      static_cast<int>(rx.K), rx.eps,
+      bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr);
   DX_CHECK_LAUNCHED(err, "rope_append");
   DX_CHECK_LAUNCH("rope_append");
 }

@@ -49,9 +49,11 @@ Choices, and why:
   and gate|up GEMVs (rms_eps; the model folded their weights into those products) where that
   measured faster at the graph's first capture (RMS_CHOICES): each kernel boundary is a launch gap
   and a round trip to memory, so a layer is 6 kernels (4 GEMVs, the attention's two) or 7. A norm
-  not in a GEMV is an rms_norm kernel of unit weight into `hidden`; where a product runs on cuBLAS
-  (graphs of more than 8 rows), its output waits in `delta` and the next norm is a
-  fused_add_rms_norm kernel.
+  not in a GEMV is an rms_norm kernel of unit weight into `hidden`. Where a product runs on cuBLAS
+  (graphs of more than 8 rows), o and down add into the residual in place (addmm_, beta = 1; with a
+  bias their output waits in `delta` and the next norm is a fused_add_rms_norm kernel), and the
+  qkv and gate|up GEMMs read the residual itself: rope_append (which then also adds the qkv bias)
+  and silu_mul scale their rows by 1/rms(residual), so the norms cost no kernel there either.
 - First layer: the embedding is gathered straight into the residual buffer, where the eager
   model's residual starts too.
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
@@ -520,6 +522,10 @@ class CudaGraphRunner(HostLoop):
         if (weight is None and not self._pending_delta and self._plan(n, name) == "gemv8"
                 and name in self.rms_in_gemv.get(n, RMS_CHOICES[0])):
             return residual, self.eps
+        # cuBLAS qkv / gate|up: rope_append / silu_mul scale the product by 1/rms(residual) (no norm
+        # kernel).
+        if weight is None and not self._pending_delta and self._plan(n, name) == "cublas":
+            return residual, self.eps
         weight = self.model.unit_norm if weight is None else weight
         if self._pending_delta:
             ops.fused_add_rms_norm(self.delta[:n], residual, weight, self.eps, hidden)
@@ -538,9 +544,12 @@ class CudaGraphRunner(HostLoop):
                                        prefetch_weight=True, rms_eps=rms_eps)
 
     def _add_product(self, n: int, name: str, x, w, b) -> None:
-        """residual[n] += x @ w^T (+ b): gemv with accumulate, or cuBLAS into delta, which the next
-        norm adds (_normed)."""
+        """residual[n] += x @ w^T (+ b): gemv with accumulate, or cuBLAS: in place (beta = 1, the sum
+        rounded once) without a bias, else into delta, which the next norm adds (_normed)."""
         if self._plan(n, name) == "cublas":
+            if b is None:
+                self.residual[:n].addmm_(x, w.t())
+                return
             _cublas_linear(x, w, b, self.delta[:n])
             self._pending_delta = True
         else:
@@ -555,9 +564,14 @@ class CudaGraphRunner(HostLoop):
         cuBLAS then rope_append."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         if self._plan(n, "qkv") == "cublas":
-            _cublas_linear(x, layer.qkv_w, layer.qkv_b, qkv)
             q, k, v, _ = self._views(n)
-            torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)
+            if rms_eps is None:
+                _cublas_linear(x, layer.qkv_w, layer.qkv_b, qkv)
+                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)
+            else:  # x is the residual: rope_append scales the product by 1/rms(x), then adds the bias
+                _cublas_linear(x, layer.qkv_w, None, qkv)
+                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
+                                              rms_x=x, rms_eps=rms_eps, bias=layer.qkv_b)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 s = slice(r, r + GEMV_MAX_ROWS)
@@ -571,7 +585,10 @@ class CudaGraphRunner(HostLoop):
         silu_mul."""
         if self._plan(n, "gate_up") == "cublas":
             _cublas_linear(x, w, None, self.gate_up[:n])
-            torch.ops.decodex.silu_mul(self.gate_up[:n], act)
+            if rms_eps is None:
+                torch.ops.decodex.silu_mul(self.gate_up[:n], act)
+            else:  # x is the residual: the product's rows scaled by 1/rms(x) first
+                torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=x, rms_eps=rms_eps)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],

@@ -76,10 +76,11 @@ def fused_add_rms_norm(x, residual, weight, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, rms_x: torch.Tensor | None = None,
+             rms_eps: float | None = None) -> torch.Tensor:
     _require()
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
-    ops.silu_mul(gate_up, out)
+    ops.silu_mul(gate_up, out, rms_x=rms_x, rms_eps=rms_eps)
     return out
 
 

@@ -115,12 +115,23 @@ def rope_append(
     positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    rms_x: torch.Tensor | None = None,
+    rms_eps: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [B, H, D] and k [B, Hkv, D] at positions [B], then k and v written into
     k_cache / v_cache [B, Hkv, S, D] at that position. Rows with a negative position are skipped
-    (left as they were). Returns (rotated q, rotated k)."""
+    (left as they were). Returns (rotated q, rotated k). With rms_x [B, K] and / or bias
+    [(H + 2 Hkv) D], q, k and v are first scaled by 1/rms(rms_x row) (as gemv's rms_eps), biased and
+    rounded to their dtype: rows of a q|k|v product computed unscaled and without its bias."""
+    q_rot, k_rot = q.clone(), k.clone()  # a skipped row stays as it was
+    if rms_x is not None or bias is not None:
+        H, Hkv = q.shape[1], k.shape[1]
+        scale = inv_rms(rms_x, rms_eps).unsqueeze(-1) if rms_x is not None else 1.0  # [B, 1, 1]
+        b = bias.float().view(H + 2 * Hkv, -1) if bias is not None else torch.zeros((), device=q.device)
+        qkv = torch.cat([q, k, v], dim=1).float() * scale + b
+        q, k, v = qkv.to(q.dtype).split([H, Hkv, Hkv], dim=1)
     capacity = k_cache.shape[2]
-    q_rot, k_rot = q.clone(), k.clone()
     for b, pos in enumerate(positions.tolist()):
         if pos < 0:
             continue
@@ -147,8 +158,13 @@ def gemv_rope_append(x, weight, bias, inv_freq, positions, k_cache, v_cache,
     return torch.cat([q, k, v], dim=1).reshape(M, -1)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] -> silu(gate) * up [M, I]."""
+def silu_mul(gate_up: torch.Tensor, rms_x: torch.Tensor | None = None,
+             rms_eps: float | None = None) -> torch.Tensor:
+    """gate_up [M, 2I] -> silu(gate) * up [M, I]. With rms_x [M, K], gate_up's rows are first scaled
+    by 1/rms(rms_x row) (as gemv's rms_eps) and rounded to its dtype: the gate|up product of the
+    RMS-normalised x when the norm weight is folded into the weight and the product was not scaled."""
+    if rms_x is not None:
+        gate_up = (gate_up.float() * inv_rms(rms_x, rms_eps)).to(gate_up.dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 

@@ -79,6 +79,23 @@ def test_rope_append_writes_the_cache_at_the_position():
         ref.rope_append(q, k, v, inv_freq, torch.tensor([4, 0]), k_cache, v_cache)
 
 
+def test_rope_append_rms_and_bias_by_hand():
+    """rms_x / bias: rows scaled by 1/rms(x), biased, then rotated (position 0: no rotation); a
+    skipped row is returned as it was."""
+    k_cache, v_cache = torch.zeros(2, 1, 4, 2), torch.zeros(2, 1, 4, 2)
+    q, k, v = torch.ones(2, 1, 2), 2 * torch.ones(2, 1, 2), 3 * torch.ones(2, 1, 2)
+    x = torch.tensor([[3.0, 4.0], [1.0, 1.0]])  # rms 3.5355 and 1
+    bias = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 10.0])
+    q_rot, k_rot = ref.rope_append(q, k, v, torch.tensor([1.0]), torch.tensor([0, -1]), k_cache, v_cache,
+                                   rms_x=x, rms_eps=0.0, bias=bias)
+    r = (12.5) ** 0.5
+    torch.testing.assert_close(q_rot[0, 0], torch.tensor([1 / r + 1, 1 / r]))
+    torch.testing.assert_close(k_rot[0, 0], torch.tensor([2 / r, 2 / r]))
+    torch.testing.assert_close(v_cache[0, 0, 0], torch.tensor([3 / r, 3 / r + 10]))
+    assert torch.equal(q_rot[1], q[1]) and torch.equal(k_rot[1], k[1])
+    assert torch.count_nonzero(v_cache[1]) == 0
+
+
 def test_silu_mul_by_hand():
     out = ref.silu_mul(torch.tensor([[0.0, 2.0, 3.0, 5.0]]))  # gate [0, 2], up [3, 5]
     torch.testing.assert_close(out, torch.tensor([[0.0, 2.0 / (1 + math.exp(-2.0)) * 5.0]]))

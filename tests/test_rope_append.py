@@ -241,6 +241,84 @@ def test_rope_append_cuda_graph():
         assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
 
 
+def _scaled(qkv, x, eps, bias):
+    """The rows of an unscaled q|k|v product as the op sees them with rms_x / bias: scaled by
+    1/rms(x), biased, rounded to bf16 (the reference's definition)."""
+    y = qkv.float()
+    if x is not None:
+        y = y * reference.inv_rms(x.float(), eps)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv,D", [(12, 2, 128), (28, 4, 128), (9, 3, 64)])
+@pytest.mark.parametrize("B", [1, 5, 64])
+@pytest.mark.parametrize("with_rms,with_bias", [(True, True), (True, False), (False, True)])
+def test_rope_append_rms_and_bias(H, Hkv, D, B, with_rms, with_bias):
+    """rms_x / bias (the cuBLAS qkv path of the batched decode step): q, k rotated from the scaled,
+    biased rows; both caches get the scaled rows; v and rms_x are not modified; a skipped row is
+    left alone."""
+    S, K = 300, 1536
+    qkv = (30.0 * torch.randn(B, (H + 2 * Hkv) * D, device="cuda")).to(torch.bfloat16)
+    q = qkv[:, : H * D].view(B, H, D)
+    k = qkv[:, H * D : (H + Hkv) * D].view(B, Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].view(B, Hkv, D)
+    x = (3.0 * torch.randn(B, K, device="cuda")).to(torch.bfloat16) if with_rms else None
+    bias = _bf16((H + 2 * Hkv) * D) if with_bias else None
+    eps = 1e-6 if with_rms else None
+    kc, vc = _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D)
+    positions = torch.tensor([(37 * b + 3) % S for b in range(B)], dtype=torch.int32, device="cuda")
+    positions[B // 2] = -1  # a skipped row
+    inv_freq = _inv_freq(D)
+    want = _scaled(qkv, x, eps, bias).view(B, H + 2 * Hkv, D)
+    qkv0, kc0, vc0 = qkv.clone(), kc.clone(), vc.clone()
+    x0 = x.clone() if x is not None else None
+    torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc, rms_x=x, rms_eps=eps, bias=bias)
+    torch.cuda.synchronize()
+    assert torch.equal(v, qkv0[:, (H + Hkv) * D :].view(B, Hkv, D)), "v was modified"
+    assert x is None or torch.equal(x, x0), "rms_x was modified"
+    # The scaled rows can differ from the test's by one bf16 rounding (the kernel's 1/rms is rsqrtf
+    # of a sum in another order): 2^-7 relative, then rotated.
+    tol = dict(rtol=2.0**-7 + 2.0**-8, atol=1e-2)
+    want_kc, want_vc = kc0.clone(), vc0.clone()
+    for b, pos in enumerate(positions.tolist()):
+        if pos < 0:
+            assert torch.equal(qkv[b], qkv0[b]), f"row {b} (skipped) was modified"
+            continue
+        p = torch.tensor(pos)
+        for got, heads, what in ((q[b], want[b, :H], "q"), (k[b], want[b, H : H + Hkv], "k")):
+            ref = reference.rope(heads.float().cpu(), p, inv_freq.cpu())
+            torch.testing.assert_close(got.float().cpu(), ref, **tol, msg=f"{what} row {b}")
+        want_kc[b, :, pos] = k[b]  # the cache row is the kernel's own rotated k
+        torch.testing.assert_close(vc[b, :, pos].float(), want[b, H + Hkv :].float(), **tol)
+        want_vc[b, :, pos] = vc[b, :, pos]
+    assert torch.equal(kc, want_kc), "k_cache differs (wrong row written, or another row touched)"
+    assert torch.equal(vc, want_vc), "v_cache: a row other than the positions' was touched"
+
+
+@pytest.mark.gpu
+def test_rope_append_rms_rejects():
+    a = _args()
+    ops = torch.ops.decodex
+    call = lambda **kw: ops.rope_append(a["q"], a["k"], a["v"], a["inv_freq"], a["positions"], a["k_cache"],
+                                        a["v_cache"], **kw)
+    x = _bf16(2, 64)
+    with pytest.raises(RuntimeError, match="rms_x and rms_eps go together"):
+        call(rms_x=x)
+    with pytest.raises(RuntimeError, match="rms_x must have shape"):
+        call(rms_x=_bf16(3, 64), rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_x must have dtype"):
+        call(rms_x=x.float(), rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="bias must be contiguous of shape"):
+        call(bias=_bf16(7))
+    with pytest.raises(RuntimeError, match="bias must have dtype"):
+        call(bias=_bf16((4 + 4) * 64).float())
+    with pytest.raises(RuntimeError, match="bias must be a CUDA tensor"):
+        call(bias=_bf16((4 + 4) * 64).cpu())
+
+
 # ---------------------------------------------------------------- GPU: argument checks
 
 
@@ -292,7 +370,8 @@ def test_rope_append_rejects():
 def test_rope_append_schema():
     s = str(torch.ops.decodex.rope_append.default._schema)
     assert s == ("decodex::rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, "
-                 "Tensor(c!) k_cache, Tensor(d!) v_cache) -> ()"), s
+                 "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor? rms_x=None, float? rms_eps=None, "
+                 "Tensor? bias=None) -> ()"), s
 
 
 @pytest.mark.ext

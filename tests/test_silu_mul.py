@@ -103,6 +103,74 @@ def test_silu_mul_cuda_graph():
         _check(out, gu)
 
 
+# rms_x: the kernel rounds gate_up * 1/rms(x) to bf16 before the activation, and its scale (rsqrtf,
+# a fp32 sum of squares in another order) may differ from the reference's by a few fp32 ulps, which
+# can flip that rounding: one bf16 ulp of a scaled input, up to 2^-7 relative, passed on to the output.
+RMS_RTOL = 2.0**-7 + 2.0**-8
+
+
+def _check_rms(out, gate_up, x, eps):
+    assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left)"
+    scaled = (gate_up.float() * reference.inv_rms(x.float(), eps)).to(torch.bfloat16)
+    ref = reference.silu_mul(scaled.float())
+    torch.testing.assert_close(out.float(), ref, rtol=RMS_RTOL, atol=ATOL)
+    # and against the reference's own definition (scaled and rounded there)
+    torch.testing.assert_close(out.float(), reference.silu_mul(gate_up, x, eps).float(), rtol=RMS_RTOL,
+                               atol=ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 64])
+@pytest.mark.parametrize("I,K", [(8, 8), (136, 1000), (8960, 1536), (18944, 3584)])
+def test_silu_mul_rms_values(M, I, K):
+    gu = _gu(M, I, scale=30.0)  # a product of the unnormalised x: large
+    big = torch.randn(M, K + 16, device="cuda").mul_(3.0).to(torch.bfloat16)
+    x = big[:, 8 : 8 + K]  # strided rows
+    gu0, x0 = gu.clone(), x.clone()
+    out = _poisoned(M, I)
+    torch.ops.decodex.silu_mul(gu, out, rms_x=x, rms_eps=1e-6)
+    assert torch.equal(gu, gu0) and torch.equal(x, x0), "an input was modified"
+    _check_rms(out, gu, x, 1e-6)
+
+
+@pytest.mark.gpu
+def test_silu_mul_rms_cuda_graph():
+    M, I, K = 64, 8960, 1536
+    gu, out = _gu(M, I), _poisoned(M, I)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    graph = capture_graph(lambda: torch.ops.decodex.silu_mul(gu, out, rms_x=x, rms_eps=1e-5))
+    for _ in range(3):
+        gu.copy_(_gu(M, I))
+        x.copy_(torch.randn(M, K, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_rms(out, gu, x, 1e-5)
+
+
+@pytest.mark.gpu
+def test_silu_mul_rms_rejects():
+    gu, out = _gu(2, 64), _poisoned(2, 64)
+    x = torch.randn(2, 32, device="cuda").to(torch.bfloat16)
+    ops = torch.ops.decodex
+    with pytest.raises(RuntimeError, match="rms_x and rms_eps go together"):
+        ops.silu_mul(gu, out, rms_x=x)
+    with pytest.raises(RuntimeError, match="rms_x and rms_eps go together"):
+        ops.silu_mul(gu, out, rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_x must have shape"):
+        ops.silu_mul(gu, out, rms_x=x[:1], rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_x must have shape"):
+        ops.silu_mul(gu, out, rms_x=x[:, :12], rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_x must have dtype"):
+        ops.silu_mul(gu, out, rms_x=x.float(), rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_x must have contiguous rows"):
+        ops.silu_mul(gu, out, rms_x=torch.randn(32, 2, device="cuda").to(torch.bfloat16).t(), rms_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rms_eps must be >= 0"):
+        ops.silu_mul(gu, out, rms_x=x, rms_eps=-1.0)
+    with pytest.raises(RuntimeError, match="rms_x must be a CUDA tensor"):
+        ops.silu_mul(gu, out, rms_x=x.cpu(), rms_eps=1e-6)
+
+
 def _raises(match, gu, out):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.decodex.silu_mul(gu, out)
@@ -131,7 +199,8 @@ def test_silu_mul_rejects():
 @pytest.mark.ext
 def test_silu_mul_schema():
     s = str(torch.ops.decodex.silu_mul.default._schema)
-    assert s == "decodex::silu_mul(Tensor gate_up, Tensor(a!) out) -> ()", s
+    assert s == ("decodex::silu_mul(Tensor gate_up, Tensor(a!) out, Tensor? rms_x=None, "
+                 "float? rms_eps=None) -> ()"), s
 
 
 @pytest.mark.ext
@@ -160,3 +229,10 @@ def test_silu_mul_cpu_tensors_refused():
 def test_reference_silu_mul_cpu():
     gu = torch.randn(3, 16)
     torch.testing.assert_close(reference.silu_mul(gu), gu[:, :8] * torch.sigmoid(gu[:, :8]) * gu[:, 8:])
+
+
+def test_reference_silu_mul_rms_cpu():
+    """With rms_x, the rows are first divided by sqrt(mean(x^2) + eps)."""
+    gu, x = torch.randn(3, 16), torch.randn(3, 5)
+    r = (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    torch.testing.assert_close(reference.silu_mul(gu, x, 1e-6), reference.silu_mul(gu / r))
