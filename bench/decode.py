@@ -170,8 +170,27 @@ def time_to_first_token(model, prompt_len: int = 1024) -> float:
 
 # ---- profile ---------------------------------------------------------------------------------------
 
+def kernel_times(events) -> dict:
+    """{name: [calls, span us, gaps, gap us]} from kernel events (end us, span us, name): a kernel's
+    gap is its end minus the end of the kernel that ended before it (none for the first)."""
+    per_kernel = {}
+    events = sorted(events)
+    for i, (end, us, name) in enumerate(events):
+        slot = per_kernel.setdefault(name, [0, 0.0, 0, 0.0])
+        slot[0] += 1
+        slot[1] += us
+        if i > 0:
+            slot[2] += 1
+            slot[3] += end - events[i - 1][0]
+    return per_kernel
+
+
 def profile_step(model, context: int, batch: int = 1, reps: int = 3) -> None:
-    """Per-kernel device time of one graph step, from torch.profiler over `reps` replays."""
+    """Per-kernel device time of one graph step, from torch.profiler over `reps` replays. "us/step"
+    is each kernel's own span (launch to end; spans overlap under PDL). "critical us/step" is what
+    it adds to the step: the kernels of a step complete in order, each waiting for the one before,
+    so a kernel's end minus the previous kernel's end is its share of the step, whatever overlap its
+    start had. Those shares add up to the replays' span."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = make_runner(model, batch, context)
@@ -186,24 +205,24 @@ def profile_step(model, context: int, batch: int = 1, reps: int = 3) -> None:
             for _ in range(reps):
                 runner.step(n) if mode == "graph" else runner.eager_step(n)
             torch.cuda.synchronize()
-        for e in prof.events():
-            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.elapsed_us() > 0:
-                slot = per_kernel.setdefault(e.name, [0, 0.0])
-                slot[0] += 1
-                slot[1] += e.time_range.elapsed_us()
+        per_kernel = kernel_times([(e.time_range.end, e.time_range.elapsed_us(), e.name) for e in prof.events()
+                                   if str(getattr(e, "device_type", "")).endswith("CUDA")
+                                   and e.time_range.elapsed_us() > 0])
         if per_kernel:
             break
         how = "eager step (the profiler saw no kernels inside the graph replay)"
     total_us = sum(v[1] for v in per_kernel.values()) / reps
-    rows = []
-    for name, (calls, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
+    rows, crit_total = [], 0.0
+    for name, (calls, us, gaps, gap_us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
         short = name if len(name) <= 90 else name[:87] + "..."
-        rows.append([short, calls // reps, us / reps, 100.0 * us / reps / (step_ms * 1000.0)])
-    rows.append(["(sum of kernels)", "", total_us, 100.0 * total_us / (step_ms * 1000.0)])
-    rows.append(["(graph step, CUDA events)", "", step_ms * 1000.0, 100.0])
+        crit = gap_us / gaps * calls / reps if gaps else 0.0
+        crit_total += crit
+        rows.append([short, calls // reps, us / reps, crit, 100.0 * crit / (step_ms * 1000.0)])
+    rows.append(["(sum of kernels)", "", total_us, crit_total, 100.0 * crit_total / (step_ms * 1000.0)])
+    rows.append(["(graph step, CUDA events)", "", "", step_ms * 1000.0, 100.0])
     name = MODELS_BY_HIDDEN.get(model.config.hidden_size, "model")
     print_table(f"{name} step at context {context}, batch {batch}: kernels ({how})",
-                ["kernel", "calls/step", "us/step", "% of step"], rows)
+                ["kernel", "calls/step", "us/step", "critical us/step", "% of step"], rows)
     del runner
     torch.cuda.empty_cache()
 

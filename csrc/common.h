@@ -271,6 +271,25 @@ __device__ __forceinline__ float rms_inv(float sumsq, int K, float eps) {
   return rsqrtf(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(K)), eps));
 }
 
+// Adds the squares of 8 values to sumsq in index order (fused multiply-adds).
+__device__ __forceinline__ float add_squares8(const bf16x8& x, float sumsq) {
+  float a[8];
+  bf16x8_to_float(x, a);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sumsq = __fmaf_rn(a[e], a[e], sumsq);
+  return sumsq;
+}
+
+// This thread's share of the sum of squares of row[0, K) (K a multiple of 8, 16-byte aligned): the
+// 8-element groups threadIdx.x, threadIdx.x + blockDim.x, ... (block_sum adds the shares up).
+__device__ __forceinline__ float thread_sum_squares(const __nv_bfloat16* row, int K) {
+  float ss = 0.f;
+  for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
+    ss = add_squares8(reinterpret_cast<const bf16x8*>(row)[j], ss);
+  }
+  return ss;
+}
+
 // Reductions over a warp or a whole block with an associative op (Sum, Max below). A block
 // reduction needs blockDim.x a multiple of 32 (at most 1024) and 32 Ts of shared `scratch`;
 // `identity` stands in for absent warps. Every thread gets the result.

@@ -580,11 +580,11 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out) {
 }
 
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
-                                     int64_t N) {
+                                     int64_t N, const char* x_name) {
   if (!bias.has_value()) return nullptr;
   const at::Tensor& b = *bias;  // checked by hand: the messages must say "bias"
   DX_CHECK(b.is_cuda(), "bias must be a CUDA tensor, got device ", b.device());
-  DX_CHECK(b.device() == x.device(), "x and bias must be on the same device, got ", x.device(),
+  DX_CHECK(b.device() == x.device(), x_name, " and bias must be on the same device, got ", x.device(),
            " and ", b.device());
   DX_CHECK(b.scalar_type() == at::kBFloat16, "bias must have dtype ", at::kBFloat16, ", got ",
            b.scalar_type());

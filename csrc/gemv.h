@@ -42,9 +42,10 @@ void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& out);
 // out [M, n_out] with a dense last dim and non-overlapping rows.
 void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
-// bias: none, or [N] bf16 contiguous on x's device; returns its pointer (nullptr for none).
+// bias: none, or [N] bf16 contiguous on x's device (x_name: what the messages call x; rope_append
+// checks its bias against q); returns its pointer (nullptr for none).
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
-                                     int64_t N);
+                                     int64_t N, const char* x_name = "x");
 // The options from the schema arguments: rms_eps none or finite and >= 0, and x must not overlap
 // out (the kernel reads x while other blocks write out).
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,

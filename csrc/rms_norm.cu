@@ -16,15 +16,6 @@ namespace decodex {
 constexpr int kNormMaxThreads = 256;
 constexpr int kNormMaxVecs = 8;  // K <= 8 * 8 * 256 = 16384
 
-// Adds the squares of 8 values to sumsq in index order (fused multiply-adds).
-__device__ __forceinline__ float add_squares8(const bf16x8& x, float sumsq) {
-  float a[8];
-  bf16x8_to_float(x, a);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sumsq = __fmaf_rn(a[e], a[e], sumsq);
-  return sumsq;
-}
-
 // bf16((x * inv_rms) * w), each product rounded, as decodex.reference.rms_norm computes it.
 __device__ __forceinline__ bf16x8 rms_scale8(const bf16x8& x, const bf16x8& w, float inv_rms) {
   float a[8], g[8];

@@ -77,16 +77,7 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
   }
   // rms_x: this thread's share of the row's sum of squares, also before the position (its loads
   // then overlap the others); the block sums it below.
-  float ss = 0.f;
-  if (rms_x != nullptr) {
-    const __nv_bfloat16* xr = rms_x + b * x_stride;
-    for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
-      float xf[8];
-      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(xr + 8 * j), xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
-    }
-  }
+  const float ss = rms_x != nullptr ? thread_sum_squares(rms_x + b * x_stride, K) : 0.f;
   const int pos = positions[b];
   if (pos < 0 || pos >= S) return;  // the whole block leaves together: no barrier is skipped
   // rms_x: 1/rms of the row, the product's scale
@@ -223,15 +214,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
   DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
               "rope_append: sizes too large");
   const RmsX rx = check_rms_x("rope_append", rms_x, rms_eps, B, q);
-  if (bias) {
-    DX_CHECK(bias->is_cuda() && bias->device() == q.device(), "bias must be a CUDA tensor on ",
-             q.device(), ", got ", bias->device());
-    DX_CHECK(bias->scalar_type() == at::kBFloat16, "bias must have dtype BFloat16, got ",
-             bias->scalar_type());
-    DX_CHECK(bias->dim() == 1 && bias->size(0) == (H + 2 * Hkv) * D && bias->stride(0) == 1,
-             "bias must be contiguous of shape [(H + 2 Hkv) * D] = [", (H + 2 * Hkv) * D, "], got ",
-             bias->sizes());
-  }
+  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
   if (B == 0 || S == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -248,7 +231,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
       v_cache.stride(0), v_cache.stride(1), static_cast<int>(H), static_cast<int>(Hkv),
       static_cast<int>(S), static_cast<int>(D), static_cast<const __nv_bfloat16*>(rx.ptr), rx.stride,
       static_cast<int>(rx.K), rx.eps,
-      bias ? reinterpret_cast<const __nv_bfloat16*>(bias->data_ptr()) : nullptr);
+      bias_ptr);
   DX_CHECK_LAUNCHED(err, "rope_append");
   DX_CHECK_LAUNCH("rope_append");
 }

@@ -41,15 +41,7 @@ silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up,  // [M, 2I], row stri
   float scale = 1.f;
   if constexpr (kRms) {  // the whole block: no thread leaves before the reduction
     __shared__ float scratch[32];
-    const __nv_bfloat16* xr = rms_x + row * x_stride;
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
-      float xf[8];
-      bf16x8_to_float(*reinterpret_cast<const bf16x8*>(xr + 8 * j), xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
-    }
-    scale = rms_inv(block_sum(ss, scratch), K, rms_eps);
+    scale = rms_inv(block_sum(thread_sum_squares(rms_x + row * x_stride, K), scratch), K, rms_eps);
   }
   if (!live) return;
   float gf[8], uf[8];
@@ -93,7 +85,8 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at
   DX_CHECK_ALIGNED16(out);
   DX_CHECK(I / 8 <= 0x7fffffff, "silu_mul: I too large");
   const RmsX rx = check_rms_x("silu_mul", rms_x, rms_eps, M, gate_up);
-  DX_CHECK(!rms_x || M <= 65535, "silu_mul: M = ", M, " rows is more than one grid column holds (65535) with rms_x");
+  DX_CHECK(!rms_x || M <= 65535, "silu_mul: M = ", M,
+           " rows is more than one grid column holds (65535) with rms_x");
   const int64_t total = M * (I / 8);
   if (total == 0) return;
   const int64_t blocks = (total + kSiluThreads - 1) / kSiluThreads;

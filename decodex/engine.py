@@ -585,10 +585,9 @@ class CudaGraphRunner(HostLoop):
         silu_mul."""
         if self._plan(n, "gate_up") == "cublas":
             _cublas_linear(x, w, None, self.gate_up[:n])
-            if rms_eps is None:
-                torch.ops.decodex.silu_mul(self.gate_up[:n], act)
-            else:  # x is the residual: the product's rows scaled by 1/rms(x) first
-                torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=x, rms_eps=rms_eps)
+            # With rms_eps, x is the residual: the product's rows are scaled by 1/rms(x) first.
+            torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=None if rms_eps is None else x,
+                                       rms_eps=rms_eps)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],

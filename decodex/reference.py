@@ -29,13 +29,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bias (the product of rms_norm(x, w, rms_eps) for a weight with w folded in, fold_norm_weight).
     accumulate [M, N]: returns accumulate + the product, the product rounded to x's dtype first
     (what the kernel's accumulate=True leaves in out)."""
-    y = x.float() @ weight.float().t()
-    if rms_eps is not None:
-        y = y * inv_rms(x, rms_eps)
+    y = scale_rows(x.float() @ weight.float().t(), x.dtype, x if rms_eps is not None else None,
+                   rms_eps, bias)
+    return y if accumulate is None else add_rounded(accumulate, y)
+
+
+def scale_rows(y: torch.Tensor, dtype: torch.dtype, rms_x: torch.Tensor | None = None,
+               rms_eps: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A product y [M, N] as gemv stores it: each row scaled by 1/rms(rms_x row) if rms_x [M, K] is
+    given, plus bias [N] if given, in fp32, rounded to dtype once. Also what silu_mul and
+    rope_append do to an unscaled product given rms_x (and bias)."""
+    y = y.float()
+    if rms_x is not None:
+        y = y * inv_rms(rms_x, rms_eps)
     if bias is not None:
         y = y + bias.float()
-    y = y.to(x.dtype)
-    return y if accumulate is None else add_rounded(accumulate, y)
+    return y.to(dtype)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
@@ -126,11 +135,9 @@ def rope_append(
     rounded to their dtype: rows of a q|k|v product computed unscaled and without its bias."""
     q_rot, k_rot = q.clone(), k.clone()  # a skipped row stays as it was
     if rms_x is not None or bias is not None:
-        H, Hkv = q.shape[1], k.shape[1]
-        scale = inv_rms(rms_x, rms_eps).unsqueeze(-1) if rms_x is not None else 1.0  # [B, 1, 1]
-        b = bias.float().view(H + 2 * Hkv, -1) if bias is not None else torch.zeros((), device=q.device)
-        qkv = torch.cat([q, k, v], dim=1).float() * scale + b
-        q, k, v = qkv.to(q.dtype).split([H, Hkv, Hkv], dim=1)
+        B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
+        qkv = scale_rows(torch.cat([q, k, v], dim=1).reshape(B, -1), q.dtype, rms_x, rms_eps, bias)
+        q, k, v = qkv.view(B, H + 2 * Hkv, -1).split([H, Hkv, Hkv], dim=1)
     capacity = k_cache.shape[2]
     for b, pos in enumerate(positions.tolist()):
         if pos < 0:
@@ -164,7 +171,7 @@ def silu_mul(gate_up: torch.Tensor, rms_x: torch.Tensor | None = None,
     by 1/rms(rms_x row) (as gemv's rms_eps) and rounded to its dtype: the gate|up product of the
     RMS-normalised x when the norm weight is folded into the weight and the product was not scaled."""
     if rms_x is not None:
-        gate_up = (gate_up.float() * inv_rms(rms_x, rms_eps)).to(gate_up.dtype)
+        gate_up = scale_rows(gate_up, gate_up.dtype, rms_x, rms_eps)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 

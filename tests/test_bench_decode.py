@@ -55,3 +55,12 @@ def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
     later = [e for e in seen if "48,32:" in e or "40,32:" in e]
     assert later and all(e.startswith("32,256:1,1,1,4;") for e in later)
     assert "all kept: DECODEX_GEMV_CONFIG=\"32,256:1,1,1,4\"" in capsys.readouterr().out
+
+
+def test_kernel_times_gaps():
+    """--profile's critical path: each kernel's end minus the previous end, whatever its span (a
+    kernel launched early under PDL has a long span but adds only its gap)."""
+    events = [(10.0, 10.0, "a"), (30.0, 25.0, "b"), (32.0, 20.0, "c"), (40.0, 8.0, "b")]
+    got = decode.kernel_times(reversed(events))  # any order: sorted by end
+    assert got == {"a": [1, 10.0, 0, 0.0], "b": [2, 33.0, 2, 28.0], "c": [1, 20.0, 1, 2.0]}
+    assert sum(v[3] for v in got.values()) == 40.0 - 10.0  # the gaps add up to the span after the first
