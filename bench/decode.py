@@ -48,7 +48,7 @@ MODELS = {
 COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
               max_position_embeddings=131072, bos_token_id=None, eos_token_id=[])
 # (batch, context), in the order HF's compiled cases run when the budget is short.
-CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024)]
+CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024), (16, 1024)]
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
 SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, 1.5B
@@ -140,7 +140,11 @@ def decodex_case(model, batch: int, context: int) -> dict:
         pass
     assert runner.stats.decode_steps == WALL_STEPS, runner.stats
     wall_ms = runner.stats.ms_per_step()
-    plan = {name: v for (m, name), v in runner.linear_plan.items() if m == n}
+    plan = {}  # product -> the plan kept, with what each plan measured (us per call)
+    for (m, name), v in runner.linear_plan.items():
+        if m == n:
+            times = {p: round(us, 2) for p, us in runner.linear_times_us.get((m, name), {}).items()}
+            plan[name] = f"{v} {times}" if times else v
     if n in runner.rms_in_gemv:
         times = {"+".join(c): round(ms, 3) for (m, c), ms in runner.rms_times_ms.items() if m == n}
         plan["rms in gemv"] = f"{'+'.join(runner.rms_in_gemv[n])} (step ms with dead rows: {times})"

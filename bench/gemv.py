@@ -10,7 +10,8 @@ the GEMV (rms_eps, the norm weight folded into W) against an rms_norm kernel the
 the plain GEMV; and accumulate (out += product) against the plain GEMV; all with prefetch_weight.
 
     python -m bench.gemv                       # the table
-    python -m bench.gemv --sweep [--only 7B]   # tuning: every kernel configuration per shape
+    python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
+    python -m bench.gemv --sweep [--only 7B] [--ms 1,8]   # tuning: every configuration per shape
 """
 from __future__ import annotations
 
@@ -122,14 +123,20 @@ def _time_cublas(weights, M: int) -> float:
     return time_graph([lambda i=i: F.linear(xs[i], weights[i]) for i in range(len(weights))])
 
 
-def rows(bandwidth_gbs: float | None = None) -> list[list]:
+def _selected(label: str, only: str | None) -> bool:
+    return not only or any(o in label for o in only.split(","))
+
+
+def rows(bandwidth_gbs: float | None = None, ms=MS, only: str | None = None) -> list[list]:
     import decodex  # noqa: F401  (registers torch.ops.decodex)
 
     bw = bandwidth_gbs or read_bandwidth_gbs()
     out = []
     for model, name, N, K in SHAPES:
+        if not _selected(f"{model} {name} {N}x{K}", only):
+            continue
         weights = _stack(N, K)
-        for M in MS:
+        for M in ms:
             ours, cublas = _time_ours(weights, M), _time_cublas(weights, M)
             early = _time_ours(weights, M, prefetch_weight=True)
             nbytes = 2 * (N * K + M * K + M * N)
@@ -160,7 +167,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
     bw = read_bandwidth_gbs()
     for model, name, N, K in SHAPES:
         label = f"{model} {name} {N}x{K}"
-        if only and not any(o in label for o in only.split(",")):
+        if not _selected(label, only):
             continue
         if name in ("v", "o"):  # same shapes as k and q
             continue
@@ -185,15 +192,22 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
-    p.add_argument("--only", help="sweep only shapes whose label contains one of these (comma-separated), "
+    p.add_argument("--only", help="only shapes whose label contains one of these (comma-separated), "
                                   "e.g. '7B' or '1.5B down,7B gate'")
+    p.add_argument("--ms", help="rows of x, comma-separated (1..64; default 1,2,4,8 for the table, 1,8 "
+                                "for --sweep); with it the table skips the RMS and accumulate tables")
     args = p.parse_args(argv)
+    ms = None if args.ms is None else [int(m) for m in args.ms.split(",")]
+    if ms is not None and not all(1 <= m <= 64 for m in ms):
+        p.error(f"--ms: every M must be in 1..64, got {args.ms}")
     if args.sweep:
-        sweep(args.only)
+        sweep(args.only, ms or (1, 8))
         return
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
-    print_table(TITLE, HEADERS, rows(bw))
+    print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only))
+    if ms is not None or args.only:
+        return
     norm, acc = fused_rows()
     print_table(NORM_TITLE, NORM_HEADERS, norm)
     print_table(ACC_TITLE, ACC_HEADERS, acc)

@@ -14,7 +14,8 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(decodex, m) {
-  // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, M <= 8, K % 8 == 0.
+  // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, K % 8 == 0, M <= 64
+  // (M <= 8 with rms_eps).
   // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
   // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
   // (programmatic dependent launch); the decode graph sets it, since its weights never change.

@@ -51,6 +51,14 @@
 //    summation order is fixed, so results are deterministic.
 //  * U = 4 (~88 registers, more warps per SM) or U = 8 (128 registers, twice the loads in flight
 //    per warp).
+//  * The wide variants, M = 9..64 (gemv's plain epilogue, with or without accumulate; no RMS
+//    scale): M rounded up to a multiple of 8 is the template's M, the real count is a kernel
+//    argument. Each block of 8 x rows is the n = 8 of its own two mmas per k-step, with one
+//    accumulator set (NB = M/8 independent chains already), and x is loaded one k-step at a time.
+//    Each weight byte is still read once; what grows is the x a warp reads per weight byte (M * 64
+//    bytes per 1 KB k-step), all of it through L1 and L2. That is what loses to cuBLAS at M = 64
+//    (its tiles reuse x from shared memory); at M = 16 the GEMV wins on the small shapes.
+//    (bench/RESULTS.md, session 9.)
 // The host picks (wr, wk, c, U) per (N, K, M) with a small cost model of waves, bytes in flight
 // and load latency, once per shape (cached). DECODEX_GEMV_CONFIG overrides the choice, for all
 // shapes or per shape (a tuning knob for bench/gemv.py --sweep and scratch sweeps of the decode
@@ -81,6 +89,7 @@ constexpr int kTileRows = 16;  // weight rows per warp: the mma's m
 constexpr int kStepK = 32;     // k per warp step: 4 threads x 8 bf16
 constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
+constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the RMS scale
 
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
@@ -112,12 +121,20 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
+  // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
+  // variants (M a multiple of 8 up to 64, kStore without RMS), which take their real row count
+  // from m_rows (<= M; rows past it are zeros in, nothing out).
+  constexpr int NB = M <= 8 ? 1 : M / 8;
+  static_assert(NB == 1 || (M % 8 == 0 && M <= kMaxRowsWide && kEpi == 0 && !kRms),
+                "the wide GEMV (M > 8) has the plain epilogue only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // Per-warp partial sums, [warp][value][lane]: the 4 accumulators, then (kRms) the sum of squares.
-  constexpr int kSums = kRms ? 5 : 4;
+  const int mr = NB == 1 ? M : m_rows;
+  // Per-warp partial sums, [warp][value][lane]: 4 accumulators per block of x rows, then (kRms)
+  // the sum of squares.
+  constexpr int kSums = 4 * NB + (kRms ? 1 : 0);
   __shared__ float red[kMaxWarps][kSums][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -165,7 +182,28 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // kRms: x . x^T of this warp's k-steps; lane (g, t) holds the diagonal entry of x row g in
   // element g & 1 when t == g / 2 (the 16x8 result's layout, as for d above; rows g + 8 unused).
   float ss[4] = {0.f, 0.f, 0.f, 0.f};
-  auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
+  // The wide variants: one accumulator set per block of 8 x rows (NB independent mma chains
+  // already), x loaded one k-step at a time (NB loads, not U * NB, so the registers hold out).
+  float accw[NB][4] = {};
+  auto x_and_mma_wide = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int k = (s + j) * kStepK + t * 8;
+      const bool in = (s + j < s_end) && (k < K);
+      uint4 xv[NB];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        const int n = 8 * b + g;
+        xv[b] = load16_cached(x + static_cast<int64_t>(min(n, mr - 1)) * ldx + k, in && n < mr);
+      }
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        mma_bf16_16816(accw[b], wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[b].x, xv[b].y);
+        mma_bf16_16816(accw[b], wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[b].z, xv[b].w);
+      }
+    }
+  };
+  auto x_and_mma_narrow = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
     uint4 xv[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -189,6 +227,13 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       mma_bf16_16816(acc_hi, wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j].z, xv[j].w);
     }
   };
+  auto x_and_mma = [&](const uint4 (&wa)[U], const uint4 (&wb)[U], int s) {
+    if constexpr (NB > 1) {
+      x_and_mma_wide(wa, wb, s);
+    } else {
+      x_and_mma_narrow(wa, wb, s);
+    }
+  };
 
   // The first trip is peeled: with prefetch_weight its weights are loaded before the wait.
   uint4 wa0[U], wb0[U];
@@ -205,7 +250,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // add to now, so that round trip overlaps the main loop instead of following it.
   const bool lead = warp % wk == 0;
   uint16_t old_out[4] = {0, 0, 0, 0};
-  if (!kSilu && !kRope && accumulate && lead && rank == 0) {
+  if (NB == 1 && !kSilu && !kRope && accumulate && lead && rank == 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = i >= 2 ? row1 : row0;
@@ -224,10 +269,18 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     x_and_mma(wa, wb, s);
   }
   float r[kSums];
+  if constexpr (NB == 1) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) r[i] = acc_lo[i] + acc_hi[i];
+    for (int i = 0; i < 4; ++i) r[i] = acc_lo[i] + acc_hi[i];
+  } else {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[4 * b + i] = accw[b][i];
+    }
+  }
   if constexpr (kRms) {  // the diagonal: x row g's sum of squares in lane 4g + g/2, else 0
-    r[4] = t == g / 2 ? ((g & 1) ? ss[1] : ss[0]) : 0.f;
+    r[kSums - 1] = t == g / 2 ? ((g & 1) ? ss[1] : ss[0]) : 0.f;
   }
 
   // Sum the wk k-ranges of each tile in the block (block-uniform branch).
@@ -274,7 +327,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int n = min(2 * t + i, M - 1);
-      inv_rms[i] = rms_inv(__shfl_sync(0xffffffffu, r[4], 4 * n + n / 2), K, rms_eps);
+      inv_rms[i] = rms_inv(__shfl_sync(0xffffffffu, r[kSums - 1], 4 * n + n / 2), K, rms_eps);
     }
   }
   // Results are rounded to bf16 (after the RMS scale and the bias) as gemv stores them before any
@@ -328,6 +381,25 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
         cache[(f1 / D) * hs + at + f1 % D] = b1;
       }
     }
+  } else if constexpr (NB > 1) {
+    // r[4b + i]: row (i >= 2 ? row1 : row0) of x row 8b + 2t + (i & 1). accumulate: every old
+    // value is loaded before the first store, so the loads share one round trip.
+    uint16_t old_w[4 * NB];
+#pragma unroll
+    for (int i = 0; i < 4 * NB; ++i) {
+      const int row = (i & 2) ? row1 : row0, n = 8 * (i / 4) + 2 * t + (i & 1);
+      old_w[i] = load_b16(out + static_cast<int64_t>(min(n, mr - 1)) * ldo + min(row, N - 1),
+                          accumulate && n < mr && row < N);
+    }
+#pragma unroll
+    for (int i = 0; i < 4 * NB; ++i) {
+      const int row = (i & 2) ? row1 : row0, n = 8 * (i / 4) + 2 * t + (i & 1);
+      if (n < mr && row < N) {
+        float v = stored(i, row);
+        if (accumulate) v = __fadd_rn(__bfloat162float(__ushort_as_bfloat16(old_w[i])), v);
+        out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
+      }
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -354,11 +426,28 @@ struct GemvConfig {
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs);
+                            int, bool, float, bool, const RopeAppendArgs, int);
 
 template <int M, int kEpi, bool kRms>
 GemvKernel kernel_for_m(int u) {
   return u == 8 ? gemv_kernel<M, 8, kEpi, kRms> : gemv_kernel<M, 4, kEpi, kRms>;
+}
+
+// The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
+int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }
+
+// m > 8: the wide variants (kStore without RMS; the ops refuse the rest).
+GemvKernel wide_kernel_for(int m, int u) {
+  constexpr int kStore = static_cast<int>(GemvEpilogue::kStore);
+  switch (kernel_rows(m)) {
+    case 16: return kernel_for_m<16, kStore, false>(u);
+    case 24: return kernel_for_m<24, kStore, false>(u);
+    case 32: return kernel_for_m<32, kStore, false>(u);
+    case 40: return kernel_for_m<40, kStore, false>(u);
+    case 48: return kernel_for_m<48, kStore, false>(u);
+    case 56: return kernel_for_m<56, kStore, false>(u);
+    default: return kernel_for_m<64, kStore, false>(u);
+  }
 }
 
 template <int kEpi, bool kRms>
@@ -387,6 +476,7 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
 }
 
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool rms) {
+  if (m > kMaxRows) return wide_kernel_for(m, u);
   return rms ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
 }
 
@@ -395,8 +485,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Resident blocks per SM of the (M, U) kernel at `warps` warps per block; asked once, cached.
 // (Occupancy depends on the architecture only; decodex runs on one kind of GPU per process.)
 int blocks_per_sm(int m, int u, int warps) {
-  static std::atomic<int> cache[8][2][kMaxWarps + 1];  // zero-initialized: 0 = not asked yet
-  std::atomic<int>& slot = cache[m - 1][u == 8][warps];
+  // Per kernel M: 1..8, then 16, 24, ..., 64 (slots 8..14). Zero-initialized: 0 = not asked yet.
+  static std::atomic<int> cache[kMaxRows + kMaxRowsWide / 8 - 1][2][kMaxWarps + 1];
+  const int km = kernel_rows(m);
+  std::atomic<int>& slot = cache[km <= kMaxRows ? km - 1 : kMaxRows + km / 8 - 2][u == 8][warps];
   int n = slot.load(std::memory_order_relaxed);
   if (n == 0) {
     cudaError_t err =
@@ -440,44 +532,49 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
   return full * wave_us(resident) + (rest ? wave_us(rest) : 0.0) + (cf.c > 1 ? kClusterUs : 0.0);
 }
 
-// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes (M <= 4 takes
-// the M = 1 entry, M > 4 the M = 8 one). Chosen inside the decode step, as `python -m bench.decode
+// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range
+// of M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros: the cost
+// model). Up to 8 rows they were chosen inside the decode step, as `python -m bench.decode
 // --sweep-gemv` does: each shape's configurations forced in turn through DECODEX_GEMV_CONFIG, the
 // step's graph replays timed (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md,
 // session 7). The kernel ahead and programmatic dependent launch change what is best: for example
 // the 1.5B down projection gains from cluster split-K (192 blocks instead of 96) in the step; alone
-// it gains only with prefetch_weight (plain calls lose). Other shapes use the cost model.
+// it gains only with prefetch_weight (plain calls lose). The wide ones are the best of `python -m
+// bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the cost model,
+// which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
-  GemvConfig m1, m8;
+  GemvConfig m1, m8, m16, m32, m64;
 };
+constexpr GemvConfig kModel{0, 0, 0, 0};
 constexpr TunedShape kTuned[] = {
     // Qwen2.5-1.5B
-    {1536, 1536, {1, 6, 1, 8}, {1, 7, 1, 4}},     // q, o
-    {256, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}},      // k, v
-    {2048, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}},     // merged qkv
-    {17920, 1536, {1, 2, 1, 4}, {1, 2, 1, 4}},    // merged gate|up
-    {1536, 8960, {1, 7, 2, 8}, {1, 7, 2, 8}},     // down
-    {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 8}},   // lm_head
+    {1536, 1536, {1, 6, 1, 8}, {1, 7, 1, 4}, {1, 8, 1, 8}, {1, 6, 2, 4}, {1, 6, 2, 4}},  // q, o
+    {256, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}, kModel, kModel, kModel},                     // k, v
+    {2048, 1536, {1, 6, 1, 8}, {1, 6, 1, 8}, {1, 7, 1, 8}, {1, 6, 2, 4}, {1, 6, 2, 4}},  // qkv
+    {17920, 1536, {1, 2, 1, 4}, {1, 2, 1, 4}, {1, 3, 1, 4}, {1, 3, 1, 4}, {1, 3, 1, 4}}, // gate|up
+    {1536, 8960, {1, 7, 2, 8}, {1, 7, 2, 8}, {1, 7, 2, 4}, {1, 6, 2, 8}, {1, 7, 2, 4}},  // down
+    {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 8}, {2, 2, 1, 4}, {2, 2, 1, 4}, {2, 2, 1, 4}},  // lm_head
     // Qwen2.5-7B
-    {3584, 3584, {1, 7, 1, 4}, {1, 7, 1, 4}},     // q, o
-    {512, 3584, {1, 7, 2, 8}, {1, 7, 2, 8}},      // k, v
-    {4608, 3584, {1, 5, 1, 8}, {1, 4, 2, 4}},     // merged qkv
-    {37888, 3584, {1, 8, 1, 8}, {1, 4, 1, 4}},    // merged gate|up
-    {3584, 18944, {1, 8, 1, 4}, {1, 2, 4, 4}},    // down
-    {152064, 3584, {1, 5, 1, 8}, {1, 8, 1, 8}},   // lm_head
+    {3584, 3584, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}},  // q, o
+    {512, 3584, {1, 7, 2, 8}, {1, 7, 2, 8}, kModel, kModel, kModel},                     // k, v
+    {4608, 3584, {1, 5, 1, 8}, {1, 4, 2, 4}, {1, 3, 2, 4}, {1, 3, 2, 4}, {1, 3, 2, 4}},  // qkv
+    {37888, 3584, {1, 8, 1, 8}, {1, 4, 1, 4}, {1, 4, 1, 4}, {1, 3, 1, 4}, {1, 4, 1, 4}}, // gate|up
+    {3584, 18944, {1, 8, 1, 4}, {1, 2, 4, 4}, {4, 2, 4, 4}, {2, 2, 4, 4}, {1, 4, 2, 4}}, // down
+    {152064, 3584, {1, 5, 1, 8}, {1, 8, 1, 8}, {2, 2, 1, 4}, {4, 2, 1, 4}, {4, 2, 1, 4}},  // lm_head
 };
 
 GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
   for (const TunedShape& t : kTuned) {
-    const GemvConfig& cf = M <= 4 ? t.m1 : t.m8;
-    if (t.N == N && t.K == K && (clusters || cf.c == 1)) return cf;
+    const GemvConfig& cf = M <= 4 ? t.m1 : M <= 8 ? t.m8 : M <= 16 ? t.m16 : M <= 32 ? t.m32 : t.m64;
+    if (t.N == N && t.K == K && cf.wr > 0 && (clusters || cf.c == 1)) return cf;
   }
   GemvConfig best{1, 1, 1, 4};
   double best_us = std::numeric_limits<double>::infinity();
   // Cheapest structure first; a later candidate must win by 2% to replace it.
   for (int c = 1; c <= (clusters ? kMaxCluster : 1); c *= 2) {
     for (int u : {4, 8}) {
+      if (M > kMaxRows && u == 8) continue;  // the wide variants spill at U = 8
       for (int wk = 1; wk <= kMaxWarps; ++wk) {
         for (int wr = 1; wr * wk <= kMaxWarps; wr *= 2) {
           const GemvConfig cf{wr, wk, c, u};
@@ -534,7 +631,7 @@ bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
 // ---- host: the shared checks and launcher (gemv.h) ----
 
 void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& out) {
+                         const at::Tensor& out, int64_t max_m) {
   DX_CHECK_CUDA(x);
   DX_CHECK_CUDA(weight);
   DX_CHECK_CUDA(out);
@@ -547,8 +644,9 @@ void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& 
   DX_CHECK_DIM(weight, 2);
   DX_CHECK_DIM(out, 2);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  DX_CHECK(M >= 1 && M <= 8, "decodex::", op, " handles M = 1..8 rows of x, got x of shape ",
-           x.sizes(), " (M = ", M, "); use cuBLAS (F.linear) for larger batches");
+  DX_CHECK(M >= 1 && M <= max_m, "decodex::", op, " handles M = 1..", max_m,
+           " rows of x, got x of shape ", x.sizes(), " (M = ", M,
+           "); use cuBLAS (F.linear) for larger batches");
   DX_CHECK(weight.size(1) == K, "weight must have shape [N, K] with K = x.size(1) = ", K,
            ", got ", weight.sizes());
   DX_CHECK(K > 0 && K % 8 == 0, "decodex::", op,
@@ -667,7 +765,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
-      options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope);
+      options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope,
+      static_cast<int>(M));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -679,8 +778,11 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
-  check_gemv_x_weight("gemv", x, weight, out);
+  check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
+  DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
+           " rows of x, got x of shape ", x.sizes(), " (normalise x first, or pass at most ",
+           kMaxRows, " rows a call)");
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   const GemvOptions options =

@@ -37,9 +37,13 @@ struct GemvOptions {
   bool accumulate = false;
 };
 
-// x [M, K] (M <= 8), weight [rows, K] and out: the checks every GEMV op shares (`op` names the op).
+// Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
+constexpr int kMaxRowsWide = 64;
+
+// x [M, K] (1 <= M <= max_m), weight [rows, K] and out: the checks every GEMV op shares (`op`
+// names the op).
 void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& out);
+                         const at::Tensor& out, int64_t max_m = 8);
 // out [M, n_out] with a dense last dim and non-overlapping rows.
 void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 // bias: none, or [N] bf16 contiguous on x's device (x_name: what the messages call x; rope_append

@@ -19,11 +19,12 @@ max_batch), on the first n rows of the same buffers. A dead row has positions = 
 rope_append writes nothing for it and decode_attention does no work for it, so dead rows cost only
 their (weight-bound, hence almost free) share of the GEMVs.
 
-Matrix products: decodex.gemv takes at most 8 rows. For graphs of more rows each weight shape uses
-whichever of cuBLAS (one torch.mm over all rows) and decodex.gemv over 8-row chunks was faster when
-timed once, at that graph's first capture, over all layers' weights of that shape (L2-cold); for
-qkv and gate|up the comparison is cuBLAS + rope_append / silu_mul against gemv_rope_append /
-gemv_silu_mul over 8-row chunks.
+Matrix products: decodex's fused GEMVs (rms_eps, gemv_rope_append, gemv_silu_mul) take at most 8
+rows; the plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever
+of three plans was fastest when timed once, at that graph's first capture, over all layers' weights
+of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all
+rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
+are a product then rope_append / silu_mul, which scale it by 1/rms(residual).
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
@@ -86,6 +87,10 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # (bench/RESULTS.md, session 5).
 RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
+# How a product runs in a graph of more than 8 rows (_plan); the first two compute the product alone.
+PLANS = ("cublas", "gemv", "gemv8")
+WIDE_PLANS = ("cublas", "gemv")
+WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
 
 
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
@@ -480,7 +485,7 @@ class CudaGraphRunner(HostLoop):
             self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> "cublas" | "gemv8"
+        self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> one of PLANS
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
         self.num_captures = 0
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
@@ -507,9 +512,17 @@ class CudaGraphRunner(HostLoop):
         return q, k, v, ws
 
     def _plan(self, n: int, name: str) -> str:
-        """How the product `name` runs in a graph of n rows: "gemv8" (decodex's GEMV kernels over
-        8-row chunks; the only choice up to 8 rows) or "cublas"."""
+        """How the product `name` runs in a graph of n rows, one of PLANS: "gemv8" (decodex's fused
+        GEMVs over 8-row chunks; the only choice up to 8 rows), "gemv" (one plain decodex.gemv over
+        all n <= 64 rows) or "cublas"; the last two leave the norm, RoPE and SiLU to the ops after."""
         return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
+
+    def _product(self, n: int, name: str, x, w, b, out) -> None:
+        """out = x @ w^T (+ b) over all n rows, by the "cublas" or "gemv" plan of `name`."""
+        if self._plan(n, name) == "gemv":
+            torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True)
+        else:
+            _cublas_linear(x, w, b, out)
 
     def _normed(self, n: int, name: str, weight=None):
         """The input of product `name`, rms_norm(residual, weight), as (x, rms_eps) for the product:
@@ -522,9 +535,9 @@ class CudaGraphRunner(HostLoop):
         if (weight is None and not self._pending_delta and self._plan(n, name) == "gemv8"
                 and name in self.rms_in_gemv.get(n, RMS_CHOICES[0])):
             return residual, self.eps
-        # cuBLAS qkv / gate|up: rope_append / silu_mul scale the product by 1/rms(residual) (no norm
-        # kernel).
-        if weight is None and not self._pending_delta and self._plan(n, name) == "cublas":
+        # cuBLAS or wide-gemv qkv / gate|up: rope_append / silu_mul scale the product by
+        # 1/rms(residual) (no norm kernel).
+        if weight is None and not self._pending_delta and self._plan(n, name) in WIDE_PLANS:
             return residual, self.eps
         weight = self.model.unit_norm if weight is None else weight
         if self._pending_delta:
@@ -536,16 +549,20 @@ class CudaGraphRunner(HostLoop):
 
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b), scaled by 1/rms(x) if rms_eps is given (gemv8)."""
-        if self._plan(n, name) == "cublas":
-            _cublas_linear(x, w, b, out)
+        if self._plan(n, name) in WIDE_PLANS:
+            self._product(n, name, x, w, b, out)
         else:
             for r in range(0, n, GEMV_MAX_ROWS):
                 torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS],
                                        prefetch_weight=True, rms_eps=rms_eps)
 
     def _add_product(self, n: int, name: str, x, w, b) -> None:
-        """residual[n] += x @ w^T (+ b): gemv with accumulate, or cuBLAS: in place (beta = 1, the sum
-        rounded once) without a bias, else into delta, which the next norm adds (_normed)."""
+        """residual[n] += x @ w^T (+ b): gemv with accumulate (over 8-row chunks, or all rows at once
+        by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a bias,
+        else into delta, which the next norm adds (_normed)."""
+        if self._plan(n, name) == "gemv":
+            torch.ops.decodex.gemv(x, w, b, self.residual[:n], prefetch_weight=True, accumulate=True)
+            return
         if self._plan(n, name) == "cublas":
             if b is None:
                 self.residual[:n].addmm_(x, w.t())
@@ -561,15 +578,15 @@ class CudaGraphRunner(HostLoop):
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
-        cuBLAS then rope_append."""
+        a product (cuBLAS or the wide gemv) then rope_append."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
-        if self._plan(n, "qkv") == "cublas":
+        if self._plan(n, "qkv") in WIDE_PLANS:
             q, k, v, _ = self._views(n)
             if rms_eps is None:
-                _cublas_linear(x, layer.qkv_w, layer.qkv_b, qkv)
+                self._product(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv)
                 torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)
             else:  # x is the residual: rope_append scales the product by 1/rms(x), then adds the bias
-                _cublas_linear(x, layer.qkv_w, None, qkv)
+                self._product(n, "qkv", x, layer.qkv_w, None, qkv)
                 torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
                                               rms_x=x, rms_eps=rms_eps, bias=layer.qkv_b)
         else:
@@ -581,10 +598,10 @@ class CudaGraphRunner(HostLoop):
 
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
-        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or cuBLAS then
-        silu_mul."""
-        if self._plan(n, "gate_up") == "cublas":
-            _cublas_linear(x, w, None, self.gate_up[:n])
+        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or a product (cuBLAS
+        or the wide gemv) then silu_mul."""
+        if self._plan(n, "gate_up") in WIDE_PLANS:
+            self._product(n, "gate_up", x, w, None, self.gate_up[:n])
             # With rms_eps, x is the residual: the product's rows are scaled by 1/rms(x) first.
             torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=None if rms_eps is None else x,
                                        rms_eps=rms_eps)
@@ -710,11 +727,14 @@ class CudaGraphRunner(HostLoop):
         return n
 
     def _plan_linears(self, n: int) -> None:
-        """For a graph of n > 8 rows: per product, time cuBLAS over all n rows against decodex's
-        GEMV kernels over 8-row chunks (all layers' weights of that shape, so L2-cold; each with its
-        fused epilogue or its separate rope_append / silu_mul, and its input norm: inside the GEMV
-        or an rms_norm kernel) and keep the faster. Runs once per graph size on the current
-        (capture) stream, before capture, with every row dead (nothing is appended to the cache)."""
+        """For a graph of n > 8 rows: per product, time each of PLANS (cuBLAS and, up to 64 rows,
+        the wide gemv over all n rows; decodex's fused GEMVs over 8-row chunks) over all layers'
+        weights of that shape, so L2-cold, each with its fused epilogue or its separate rope_append /
+        silu_mul, and its input norm (inside the GEMV, an rms_norm kernel, or the op after), and
+        keep the fastest. Each plan's step's worth of calls is captured into a CUDA graph and its
+        replays timed, as the step will run them (timed eagerly, the launches would be the
+        measure). Runs once per graph size on the current (capture) stream, before the step's
+        capture, with every row dead (nothing is appended to the cache)."""
         m, L = self.model, self.model.layers
         attn, act = self.attn[:n], self.act[:n]
 
@@ -732,11 +752,18 @@ class CudaGraphRunner(HostLoop):
             "lm_head": (1, lambda: normed_then("lm_head", m.final_norm, lambda x, e: self._linear(
                 n, "lm_head", x, m.lm_head, None, self.logits[:n], e))),
         }
+        def replay_us(run, calls):  # us per call, replayed in a graph
+            run()  # lazy init (cuBLAS handles, workspaces) outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+                run()
+            return event_time_ms(graph.replay, reps=5, warmup=1) * 1000.0 / calls
+
         for name, (calls, run) in runs.items():
             times = {}
-            for plan in ("cublas", "gemv8"):
+            for plan in PLANS if n <= WIDE_GEMV_MAX_ROWS else ("cublas", "gemv8"):
                 self.linear_plan[(n, name)] = plan
-                times[plan] = event_time_ms(run) * 1000.0 / calls  # us per call
+                times[plan] = replay_us(run, calls)
             self.linear_times_us[(n, name)] = times
             self.linear_plan[(n, name)] = min(times, key=times.get)
         self._pending_delta = False

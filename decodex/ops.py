@@ -32,8 +32,8 @@ fold_norm_weight = reference.fold_norm_weight
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          rms_eps: float | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> new [M, N]; with rms_eps, each product row scaled by
-    1/rms(x row) before the bias. (Accumulating into an existing tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> new [M, N], M <= 64; with rms_eps (M <= 8), each
+    product row scaled by 1/rms(x row) before the bias. (Accumulating into an existing tensor:
     torch.ops.decodex.gemv(..., out=that, accumulate=True).)"""
     _require()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)

@@ -477,7 +477,7 @@ def test_graph_logits_match_fp32_reference(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_graph_batch_over_8_rows_uses_measured_linears(name):
-    """12 sequences in the 16-row graph: the cuBLAS-or-chunked-gemv choice, per row vs fp32."""
+    """12 sequences in the 16-row graph: the measured choice among engine.PLANS, per row vs fp32."""
     m = models(name)
     runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=128)
     g = torch.Generator().manual_seed(1)
@@ -491,10 +491,11 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", ["cublas", "gemv8"])
+@pytest.mark.parametrize("plan", engine.PLANS)
 def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan):
-    """Both ways of running the products above 8 rows, forced for every product: cuBLAS + rope_append
-    / silu_mul, and the fused decodex kernels over 8-row chunks (the last chunk partly dead rows)."""
+    """Each way of running the products above 8 rows, forced for every product: cuBLAS or the wide
+    gemv over all rows, then rope_append / silu_mul; and the fused decodex kernels over 8-row chunks
+    (the last chunk partly dead rows)."""
     m = models("qwen2-d128")
 
     def forced(self, n):

@@ -94,6 +94,97 @@ def test_gemv_values(M, N, K, bias):
     _check(out, x, w, b)
 
 
+# The wide GEMV: M = 9..64 rows of x (the plain epilogue; kernels for M rounded up to a multiple of
+# 8, the rows past M masked).
+WIDE_MS = [9, 16, 23, 33, 48, 64]
+if QUICK:
+    WIDE_MS = [9, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [8, 1536, 8960])
+@pytest.mark.parametrize("N", [1, 7, 769, 2048])
+@pytest.mark.parametrize("M", WIDE_MS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_wide_values(M, N, K, bias):
+    x, w, b = _inputs(M, N, K, bias)
+    out = _gemv(x, w, b, _poisoned(M, N))
+    _check(out, x, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 40, 64])
+def test_gemv_wide_writes_only_its_rows(M):
+    """Rows of a wider buffer past M (out is a slice of it) and the padding of strided rows are
+    left as they were: the kernel's rows rounded up to a multiple of 8 are masked, not written."""
+    N, K = 776, 1536
+    x_buf = torch.randn(M + 8, K + 16, device="cuda").to(torch.bfloat16)
+    x = x_buf[:M, :K]
+    _, w, b = _inputs(M, N, K)
+    buf = _poisoned(M + 8, N + 24)
+    out = buf[:M, :N]
+    torch.ops.decodex.gemv(x, w, b, out)
+    _check(out, x, w, b)
+    assert torch.isnan(buf[M:]).all() and torch.isnan(buf[:, N:]).all(), "wrote outside out"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["1,1,1,4", "2,4,1,4", "1,8,1,4", "1,4,2,4", "1,2,8,4", "1,4,1,8"])
+@pytest.mark.parametrize("M", [16, 37, 64])
+@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
+def test_gemv_wide_every_variant(monkeypatch, config, M, N, K):
+    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    x, w, b = _inputs(M, N, K, bias=True)
+    out = _gemv(x, w, b, _poisoned(M, N))
+    torch.cuda.synchronize()
+    _check(out, x, w, b)
+
+
+@pytest.mark.gpu
+def test_gemv_wide_rows_independent(monkeypatch):
+    """Among the wide variants (M > 8) a row's result is the same bits whatever the other rows and
+    their number: 64 rows at once equal four calls of 16, and the first 9 of them one call of 9.
+    (Up to 8 rows the kernel keeps two accumulator sets a lane, the wide one one set a block of 8
+    rows, so an M <= 8 call may differ from a wide one in the last bit of fp32 before rounding.)"""
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,4,1,4")
+    M, N, K = 64, 1536, 8960
+    x, w, b = _inputs(M, N, K)
+    wide = _gemv(x, w, b, _poisoned(M, N))
+    for r in range(0, M, 16):
+        assert torch.equal(wide[r: r + 16], _gemv(x[r: r + 16], w, b, _poisoned(16, N)))
+    assert torch.equal(wide[:9], _gemv(x[:9], w, b, _poisoned(9, N)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(9, 1536, 8960), (64, 769, 1536), (33, 7, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_wide_accumulate(M, N, K, bias):
+    """accumulate at M > 8: out += the product, rounded as gemv then a bf16 add (bit for bit)."""
+    x, w, b = _inputs(M, N, K, bias)
+    base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+    out = base.clone()
+    torch.ops.decodex.gemv(x, w, b, out, accumulate=True, prefetch_weight=True)
+    plain = _gemv(x, w, b, _poisoned(M, N))
+    assert torch.equal(out, (base.float() + plain.float()).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_gemv_wide_cuda_graph():
+    """Captured once, replayed on new inputs written in place."""
+    M, N, K = 64, 2048, 1536
+    x, w, b = _inputs(M, N, K)
+    out = _poisoned(M, N)
+    graph = capture_graph(lambda: torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True))
+    for _ in range(2):
+        x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, w, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(QUICK, reason="large: skipped in quick mode")
 @pytest.mark.parametrize("K", KS)
@@ -370,11 +461,23 @@ def test_gemv_rejects_k_not_multiple_of_8():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [0, 9, 16])
+@pytest.mark.parametrize("M", [0, 65, 128])
 def test_gemv_rejects_m(M):
     x = torch.randn(M, 64, device="cuda").to(torch.bfloat16)
     w = torch.randn(32, 64, device="cuda").to(torch.bfloat16)
-    _err(r"M = 1\.\.8.*M = " + str(M), x, w, None, _poisoned(M, 32))
+    _err(r"M = 1\.\.64.*M = " + str(M), x, w, None, _poisoned(M, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 64])
+def test_gemv_wide_rejects_rms_eps(M):
+    """The RMS scale exists for at most 8 rows; a wide call with rms_eps is refused, not run
+    unscaled."""
+    x, w, b = _inputs(M, 32, 64)
+    out = _poisoned(M, 32)
+    with pytest.raises(RuntimeError, match=r"gemv: rms_eps needs M <= 8 rows of x.*" + str(M)):
+        torch.ops.decodex.gemv(x, w, b, out, rms_eps=RMS_EPS)
+    assert torch.isnan(out).all(), "a refused call wrote out"
 
 
 @pytest.mark.gpu
