@@ -24,7 +24,8 @@ rows; the plain gemv takes up to 64. For graphs of more than 8 rows each weight 
 of three plans was fastest when timed once, at that graph's first capture, over all layers' weights
 of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all
 rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
-are a product then rope_append / silu_mul, which scale it by 1/rms(residual).
+are a product then rope_append / silu_mul, which scale it by 1/rms(residual). The plans so chosen
+are then kept only if the whole step replays faster with them than with every product on cuBLAS.
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
@@ -491,6 +492,8 @@ class CudaGraphRunner(HostLoop):
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
         self.rms_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
         self.rms_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what each choice measured
+        # graph size n > 8 -> step ms (dead rows) of the per-product plans and of all-cuBLAS
+        self.plan_step_ms: dict[int, dict[str, float]] = {}
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 
@@ -670,12 +673,15 @@ class CudaGraphRunner(HostLoop):
             self.lengths.copy_(saved[2])
 
     def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        """The graph of a step over n rows. At a size's first capture (of at most 8 rows: larger
-        ones run their norms as kernels anyway) the step is captured once per RMS_CHOICES entry and
-        the one whose replays are fastest is kept (its choice reused for the other greedy flag)."""
+        """The graph of a step over n rows. At a size's first capture of at most 8 rows the step is
+        captured once per RMS_CHOICES entry and the one whose replays are fastest is kept (its choice
+        reused for the other greedy flag); over 8 rows, the products' plans are checked against
+        all-cuBLAS the same way (_capture_checking_plans)."""
         if n not in self.sizes:
             raise ValueError(f"graph size {n} is not one of {self.sizes}")
         self.num_captures += 1  # graphs kept (the trial captures of a choice count as one)
+        if n > GEMV_MAX_ROWS and n not in self.plan_step_ms:
+            return self._capture_checking_plans(n, greedy)
         if n in self.rms_in_gemv or n > GEMV_MAX_ROWS:
             return self._capture_as_chosen(n, greedy)
         best = None
@@ -688,6 +694,27 @@ class CudaGraphRunner(HostLoop):
                 best = (ms, choice, graph)
         self.rms_in_gemv[n] = best[1]
         return best[2]
+
+    def _capture_checking_plans(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        """First capture of a size over 8 rows: the products' plans as _plan_linears measured them
+        one product at a time, kept only if the whole step replays faster with them than with every
+        product on cuBLAS (each product's neighbours in the step differ from its own in the trial:
+        at 32 rows the wide gemv won its trials on qkv and o and lost in the step,
+        bench/RESULTS.md, session 9)."""
+        graph = self._capture_as_chosen(n, greedy)  # plans the products on first use
+        chosen = {k: v for k, v in self.linear_plan.items() if k[0] == n}
+        if all(v == "cublas" for v in chosen.values()):
+            self.plan_step_ms[n] = {"per product": self._replay_ms(graph)}
+            return graph
+        times = {"per product": self._replay_ms(graph)}
+        self.linear_plan.update({k: "cublas" for k in chosen})
+        cublas = self._capture_as_chosen(n, greedy)
+        times["all cublas"] = self._replay_ms(cublas)
+        self.plan_step_ms[n] = times
+        if times["all cublas"] < times["per product"]:
+            return cublas
+        self.linear_plan.update(chosen)
+        return graph
 
     def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
         """GPU ms per replay of a step graph, every row dead (state saved and restored): the

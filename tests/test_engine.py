@@ -488,6 +488,10 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
     print(f"{name}: linear plan for 16 rows: {plan}, times (us): "
           f"{ {k: v for k, v in runner.linear_times_us.items() if k[0] == 16} }")
     assert set(name for _, name in plan) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    checked = runner.plan_step_ms[16]
+    print(f"{name}: step ms with dead rows: {checked}")
+    if "all cublas" in checked:  # the per-product plans were checked against all-cuBLAS
+        assert all(v == "cublas" for v in plan.values()) or checked["per product"] <= checked["all cublas"]
 
 
 @pytest.mark.gpu
@@ -503,6 +507,9 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan):
             self.linear_plan[(n, name)] = plan
 
     monkeypatch.setattr(engine.CudaGraphRunner, "_plan_linears", forced)
+    # and no whole-step check, which could put the products back on cuBLAS
+    monkeypatch.setattr(engine.CudaGraphRunner, "_capture_checking_plans",
+                        engine.CudaGraphRunner._capture_as_chosen)
     runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=128)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
