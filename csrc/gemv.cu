@@ -1,6 +1,7 @@
-// decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) for decode batches M = 1..8, and
-// decodex::gemv_silu_mul, the same kernel with SiLU(gate) * up in its epilogue. The kernel and its
-// launcher also serve gemv_rope_append (csrc/rope_append.cu) through gemv.h.
+// decodex::gemv: out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) for decode batches M = 1..8 (the
+// plain product up to 64, see Variants), and decodex::gemv_silu_mul, the same kernel with
+// SiLU(gate) * up in its epilogue. The kernel and its launcher also serve gemv_rope_append
+// (csrc/rope_append.cu) through gemv.h.
 //
 // The op streams the weight (every byte read once, ~1 FLOP per byte), so all of it is arranged
 // around keeping enough 16-byte weight loads in flight on every SM and nothing else in the way.
