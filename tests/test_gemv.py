@@ -67,6 +67,8 @@ def _check(out, x, w, b, rms_eps=None):
         raise AssertionError(
             f"{int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at [{m}, {n}]: "
             f"got {float(out[m, n]):.6g}, reference {float(ref[m, n]):.6g}, bound {float(bound[m, n]):.3g}")
+    if QUICK:  # the sanitizer runs: racecheck trips inside cuBLAS's own kernels (RESULTS, session 9)
+        return
     if rms_eps is None:
         torch_out = F.linear(x, w, b)
     else:
