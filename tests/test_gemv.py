@@ -19,11 +19,14 @@ from helpers import capture_graph, norm_inputs
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer sizes, no cuBLAS check
 
 MS = [1, 2, 3, 5, 8]
+# The wide GEMV: M = 9..64 rows of x (the plain epilogue; kernels for M rounded up to a multiple of
+# 8, the rows past M masked).
+WIDE_MS = [9, 16, 23, 33, 48, 64]
 NS = [1, 7, 256, 769, 2048]
 KS = [8, 136, 1536, 8960]
 BIG_N = 151936  # the Qwen2.5 vocabulary: an lm_head-sized grid, only M = 1 and 8
 if QUICK:
-    MS, NS, KS = [1, 3, 8], [7, 769], [8, 136, 1544]
+    MS, NS, KS, WIDE_MS = [1, 3, 8], [7, 769], [8, 136, 1544], [9, 64]
 
 # Tolerance, bf16 output vs the fp32 reference:
 #  * RTOL = 2^-8: rounding an fp32 value to bf16 (8 significant bits, round to nearest) moves it by
@@ -88,27 +91,9 @@ def _gemv(x, w, b, out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("N", NS)
-@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("M", MS + WIDE_MS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_values(M, N, K, bias):
-    x, w, b = _inputs(M, N, K, bias)
-    out = _gemv(x, w, b, _poisoned(M, N))
-    _check(out, x, w, b)
-
-
-# The wide GEMV: M = 9..64 rows of x (the plain epilogue; kernels for M rounded up to a multiple of
-# 8, the rows past M masked).
-WIDE_MS = [9, 16, 23, 33, 48, 64]
-if QUICK:
-    WIDE_MS = [9, 64]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("K", [8, 1536, 8960])
-@pytest.mark.parametrize("N", [1, 7, 769, 2048])
-@pytest.mark.parametrize("M", WIDE_MS)
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_wide_values(M, N, K, bias):
     x, w, b = _inputs(M, N, K, bias)
     out = _gemv(x, w, b, _poisoned(M, N))
     _check(out, x, w, b)
@@ -131,20 +116,6 @@ def test_gemv_wide_writes_only_its_rows(M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["1,1,1,4", "2,4,1,4", "1,8,1,4", "1,4,2,4", "1,2,8,4", "1,4,1,8"])
-@pytest.mark.parametrize("M", [16, 37, 64])
-@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
-def test_gemv_wide_every_variant(monkeypatch, config, M, N, K):
-    if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("thread-block clusters need sm_90")
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
-    x, w, b = _inputs(M, N, K, bias=True)
-    out = _gemv(x, w, b, _poisoned(M, N))
-    torch.cuda.synchronize()
-    _check(out, x, w, b)
-
-
-@pytest.mark.gpu
 def test_gemv_wide_rows_independent(monkeypatch):
     """Among the wide variants (M > 8) a row's result is the same bits whatever the other rows and
     their number: 64 rows at once equal four calls of 16, and the first 9 of them one call of 9.
@@ -157,34 +128,6 @@ def test_gemv_wide_rows_independent(monkeypatch):
     for r in range(0, M, 16):
         assert torch.equal(wide[r: r + 16], _gemv(x[r: r + 16], w, b, _poisoned(16, N)))
     assert torch.equal(wide[:9], _gemv(x[:9], w, b, _poisoned(9, N)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(9, 1536, 8960), (64, 769, 1536), (33, 7, 8)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_wide_accumulate(M, N, K, bias):
-    """accumulate at M > 8: out += the product, rounded as gemv then a bf16 add (bit for bit)."""
-    x, w, b = _inputs(M, N, K, bias)
-    base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
-    out = base.clone()
-    torch.ops.decodex.gemv(x, w, b, out, accumulate=True, prefetch_weight=True)
-    plain = _gemv(x, w, b, _poisoned(M, N))
-    assert torch.equal(out, (base.float() + plain.float()).to(torch.bfloat16))
-
-
-@pytest.mark.gpu
-def test_gemv_wide_cuda_graph():
-    """Captured once, replayed on new inputs written in place."""
-    M, N, K = 64, 2048, 1536
-    x, w, b = _inputs(M, N, K)
-    out = _poisoned(M, N)
-    graph = capture_graph(lambda: torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True))
-    for _ in range(2):
-        x.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, x, w, b)
 
 
 @pytest.mark.gpu
@@ -234,7 +177,7 @@ CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("M", [1, 4, 8, 16, 37, 64])  # the last three: the wide variants
 @pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
 def test_gemv_every_variant(monkeypatch, config, M, N, K):
     if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
@@ -292,7 +235,7 @@ def test_gemv_opcheck():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(1, 256, 1536), (8, 2048, 1536), (5, 769, 8960)])
+@pytest.mark.parametrize("M,N,K", [(1, 256, 1536), (8, 2048, 1536), (5, 769, 8960), (64, 2048, 1536)])
 def test_gemv_cuda_graph(M, N, K):
     """Captured once, replayed with x changed in place: the output follows x."""
     x, w, b = _inputs(M, N, K)
@@ -307,7 +250,7 @@ def test_gemv_cuda_graph(M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 776, 8960), (3, 17920, 1536)])
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 1536), (8, 776, 8960), (3, 17920, 1536), (64, 2048, 1536)])
 def test_gemv_prefetch_weight(M, N, K):
     """prefetch_weight=True (first weights loaded before the PDL wait) in one CUDA graph of GEMVs,
     each reading the output of the one before as x: bitwise the same as plain calls."""
@@ -375,14 +318,16 @@ def test_gemv_rms_eps_every_variant(monkeypatch, config, M, N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(1, 1536, 8960), (8, 769, 1536), (3, 7, 8)])
+@pytest.mark.parametrize("M,N,K", [(1, 1536, 8960), (8, 769, 1536), (3, 7, 8),
+                                   (9, 1536, 8960), (64, 769, 1536), (33, 7, 8)])  # wide: M > 8
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_accumulate(M, N, K, bias):
+@pytest.mark.parametrize("prefetch_weight", [False, True])
+def test_gemv_accumulate(M, N, K, bias, prefetch_weight):
     """accumulate: out += the product, rounded as gemv then a bf16 add (bit for bit)."""
     x, w, b = _inputs(M, N, K, bias)
     base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
     out = base.clone()
-    torch.ops.decodex.gemv(x, w, b, out, accumulate=True)
+    torch.ops.decodex.gemv(x, w, b, out, accumulate=True, prefetch_weight=prefetch_weight)
     plain = _gemv(x, w, b, _poisoned(M, N))
     assert torch.equal(out, (base.float() + plain.float()).to(torch.bfloat16))
     ref = reference.gemv(x, w, b, accumulate=base)
