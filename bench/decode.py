@@ -19,6 +19,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --quick          # 1.5B, 3 cases, no HF
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
   python -m bench.decode --profile        # per-kernel breakdown of 1.5B steps (b1 1K/32K, b64 1K)
+  python -m bench.decode --no-hf --cases 16x1024,32x1024 --plans cublas,gemv8   # without the wide gemv
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
@@ -108,12 +109,13 @@ def kv_bytes(model, batch: int, context: int) -> int:
     return 2 * batch * c.num_hidden_layers * 2 * c.num_key_value_heads * (context + 1) * c.head_dim
 
 
-def make_runner(model, batch: int, context: int):
-    """A runner whose rows 0..batch-1 sit at `context` over a cache of random K/V."""
-    from decodex.engine import CudaGraphRunner
+def make_runner(model, batch: int, context: int, plans=None):
+    """A runner whose rows 0..batch-1 sit at `context` over a cache of random K/V (plans: the
+    engine's products' plans above 8 rows to measure, default all)."""
+    from decodex.engine import PLANS, CudaGraphRunner
 
     capacity = context + max(GPU_STEPS + 10, WALL_STEPS) + 16
-    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity)
+    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity, plans=plans or PLANS)
     runner.eos_ids = set()  # random weights: never stop early
     for t in runner.cache.k + runner.cache.v:
         t.normal_()
@@ -129,8 +131,8 @@ def load_rows(runner, batch: int, context: int):
     return tokens
 
 
-def decodex_case(model, batch: int, context: int) -> dict:
-    runner = make_runner(model, batch, context)
+def decodex_case(model, batch: int, context: int, plans=None) -> dict:
+    runner = make_runner(model, batch, context, plans)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
     gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS))
@@ -381,7 +383,7 @@ def rows(args=None) -> list[list]:
         results = {}
         for batch, context in args.cases:
             try:
-                r = decodex_case(model, batch, context)
+                r = decodex_case(model, batch, context, args.plans)
                 floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
@@ -478,8 +480,19 @@ def parse_args(argv):
     p.add_argument("--sweep-gemv", action="store_true",
                    help="instead of the table: choose each GEMV shape's configuration inside the step "
                         "(per model and case; batch <= 8, no HF)")
+    p.add_argument("--plans", default=None,
+                   help="the ways a product may run above 8 rows, comma list of cublas, gemv, gemv8 "
+                        "(cublas required; default all), e.g. cublas,gemv8 for the step without the "
+                        "wide gemv")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
+    if args.plans is not None:
+        from decodex.engine import check_plans
+
+        try:
+            args.plans = check_plans(x.strip() for x in args.plans.split(",") if x.strip())
+        except ValueError as e:
+            p.error(f"--plans: {e}")
     if args.quick:
         args.models, args.hf = "1.5b", False
         args.cases = args.cases or ",".join(f"{b}x{c}" for b, c in QUICK_CASES)

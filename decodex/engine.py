@@ -94,6 +94,15 @@ WIDE_PLANS = ("cublas", "gemv")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
 
 
+def check_plans(plans) -> tuple[str, ...]:
+    """The plans a runner measures per product above 8 rows (CudaGraphRunner's `plans`): a subset
+    of PLANS holding "cublas", the fallback and the whole-step check's baseline."""
+    plans = tuple(plans)
+    if "cublas" not in plans or not set(plans) <= set(PLANS):
+        raise ValueError(f"plans must be a subset of {PLANS} that includes 'cublas', got {plans}")
+    return plans
+
+
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
     """The graph batch sizes for a runner of max_batch rows: GRAPH_SIZES below it, then max_batch."""
     return tuple(s for s in GRAPH_SIZES if s < max_batch) + (max_batch,)
@@ -430,7 +439,9 @@ class CudaGraphRunner(HostLoop):
     logits [max_batch, ...].
     """
 
-    def __init__(self, model, max_batch: int, capacity: int, depth: int = DEFAULT_DEPTH):
+    def __init__(self, model, max_batch: int, capacity: int, depth: int = DEFAULT_DEPTH,
+                 plans: tuple[str, ...] = PLANS):
+        self.plans = check_plans(plans)  # checked first: a bad argument fails on any machine
         if not _ext.available():
             raise RuntimeError(f"CudaGraphRunner needs the decodex kernels: {_ext.why_unavailable()}")
         if model.device.type != "cuda":
@@ -788,7 +799,7 @@ class CudaGraphRunner(HostLoop):
 
         for name, (calls, run) in runs.items():
             times = {}
-            for plan in PLANS if n <= WIDE_GEMV_MAX_ROWS else ("cublas", "gemv8"):
+            for plan in (p for p in self.plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS):
                 self.linear_plan[(n, name)] = plan
                 times[plan] = replay_us(run, calls)
             self.linear_times_us[(n, name)] = times

@@ -16,6 +16,15 @@ def test_sweep_gemv_cases():
         decode.parse_args(["--sweep-gemv", "--cases", "1x1024,64x1024"])
 
 
+def test_plans_argument():
+    """--plans: the engine's plans above 8 rows to measure (the A/B without the wide gemv)."""
+    assert decode.parse_args([]).plans is None
+    assert decode.parse_args(["--plans", "cublas,gemv8"]).plans == ("cublas", "gemv8")
+    for bad in ("gemv,gemv8", "cublas,fast"):
+        with pytest.raises(SystemExit):
+            decode.parse_args(["--plans", bad])
+
+
 def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
     """The greedy rule on a stand-in runner (no GPU): a step time that depends on the forced
     configurations. Only the down shape's "1,1,1,4" is 10% faster; the other shapes' best is within

@@ -52,6 +52,13 @@ def test_runner_refuses_a_cpu_model():
         engine.CudaGraphRunner(random_model("llama"), max_batch=1, capacity=16)
 
 
+def test_runner_refuses_bad_plans():
+    """plans: a subset of engine.PLANS holding "cublas", checked before anything else."""
+    for bad in (("gemv", "gemv8"), ("cublas", "fast")):
+        with pytest.raises(ValueError, match="plans must be a subset"):
+            engine.CudaGraphRunner(None, max_batch=16, capacity=16, plans=bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the host loop against a fake device
 
