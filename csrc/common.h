@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -94,6 +95,13 @@ inline void check_shape(const at::Tensor& t, const char* name, Sizes... sizes) {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// rms_eps of the ops that scale rows by 1/rms(x) = rsqrt(mean(x^2) + rms_eps): finite and >= 0.
+inline float check_rms_eps(const char* op, double rms_eps) {
+  DX_CHECK(std::isfinite(rms_eps) && rms_eps >= 0.0, "decodex::", op,
+           ": rms_eps must be finite and >= 0, got ", rms_eps);
+  return static_cast<float>(rms_eps);
+}
+
 // The optional rms_x [M, K] (with rms_eps) of silu_mul and rope_append: the rows whose 1/rms scales
 // each row of an unscaled product first. Checks it (bf16 on ref's device, contiguous rows of a
 // stride that is a multiple of 8, 16-byte aligned, K a positive multiple of 8) and returns its
@@ -121,11 +129,10 @@ inline RmsX check_rms_x(const char* op, const std::optional<at::Tensor>& rms_x,
            "rms_x must have contiguous rows with a stride that is a multiple of 8, got strides ",
            x.strides());
   DX_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "rms_x must be 16-byte aligned");
-  DX_CHECK(*rms_eps >= 0.0, op, ": rms_eps must be >= 0, got ", *rms_eps);
+  r.eps = check_rms_eps(op, *rms_eps);
   r.ptr = x.data_ptr();
   r.K = x.size(1);
   r.stride = M <= 1 ? 0 : x.stride(0);
-  r.eps = static_cast<float>(*rms_eps);
   return r;
 }
 

@@ -714,11 +714,7 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
-  if (rms_eps.has_value()) {
-    DX_CHECK(std::isfinite(*rms_eps) && *rms_eps >= 0.0, "decodex::", op,
-             ": rms_eps must be finite and >= 0, got ", *rms_eps);
-    o.rms_eps = static_cast<float>(*rms_eps);
-  }
+  if (rms_eps.has_value()) o.rms_eps = check_rms_eps(op, *rms_eps);
   return o;
 }
 

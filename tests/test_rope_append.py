@@ -300,6 +300,9 @@ def test_rope_append_rms_rejects():
         call(rms_x=_bf16(3, 64), rms_eps=1e-6)
     with pytest.raises(RuntimeError, match="rms_x must have dtype"):
         call(rms_x=x.float(), rms_eps=1e-6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="rope_append: rms_eps must be finite and >= 0"):
+            call(rms_x=x, rms_eps=bad)
     with pytest.raises(RuntimeError, match="bias must have shape"):
         call(bias=_bf16(7))
     with pytest.raises(RuntimeError, match="bias must have dtype"):

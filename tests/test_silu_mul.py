@@ -164,8 +164,9 @@ def test_silu_mul_rms_rejects():
         ops.silu_mul(gu, out, rms_x=x.float(), rms_eps=1e-6)
     with pytest.raises(RuntimeError, match="rms_x must have contiguous rows"):
         ops.silu_mul(gu, out, rms_x=torch.randn(32, 2, device="cuda").to(torch.bfloat16).t(), rms_eps=1e-6)
-    with pytest.raises(RuntimeError, match="rms_eps must be >= 0"):
-        ops.silu_mul(gu, out, rms_x=x, rms_eps=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="silu_mul: rms_eps must be finite and >= 0"):
+            ops.silu_mul(gu, out, rms_x=x, rms_eps=bad)
     with pytest.raises(RuntimeError, match="rms_x must be a CUDA tensor"):
         ops.silu_mul(gu, out, rms_x=x.cpu(), rms_eps=1e-6)
 
