@@ -44,8 +44,11 @@
 // nothing and writes an empty partial (m = -inf, l = 0); a length-0 sequence gets zeros; lengths
 // are clamped to [0, S].
 // Fragments are 32-bit words, so 16-byte chunks are held as uint4 rather than common.h's bf16x8.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.h"
@@ -62,6 +65,7 @@ constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N e
 constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
 constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks (2 blocks fit an SM)
 constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
+constexpr int kClusterSplits = 8;          // up to this many splits merge in a cluster (portable)
 constexpr int kCombineSplitsPerWarp = 16;  // combine: one warp per 16 splits ...
 constexpr int kCombineMaxWarps = 8;        // ... up to 8
 constexpr float kLog2e = 1.4426950408889634f;
@@ -183,6 +187,62 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
   return max(kMinSplitTokens, (per + kTile - 1) / kTile * kTile);
 }
 
+// The splits of one (b, KV head, head block) merged inside their thread-block cluster (grid.x =
+// splits = the cluster size, at most kClusterSplits; sm_90): each block has put its merged partial
+// (o unnormalised, m in log2 units, l) in shared memory; after a cluster barrier the c * kWarps * 32
+// threads of the cluster share the outputs (head j, dims 2 d2, 2 d2 + 1), each reading the c
+// partials of its output through distributed shared memory in split order, and write bf16:
+// out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty split (m = -inf) gets
+// weight 0 and its o (never written) is not read; all empty (length 0) gives zeros. The second
+// barrier keeps every block's shared memory alive until the other blocks' reads are done. This
+// replaces the workspace round trip and the combine kernel.
+template <int D>
+__device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlock][D],
+                                              const float (&part_m)[kHeadsPerBlock],
+                                              const float (&part_l)[kHeadsPerBlock],
+                                              __nv_bfloat16* out_rows, int heads, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  // c = 1 (one split, launched without a cluster): the block's own shared memory, one barrier.
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = c == 1 ? 0 : static_cast<int>(cluster.block_rank());
+  auto at = [&](const float* p, int r) { return c == 1 ? p : cluster.map_shared_rank(p, r); };
+  auto barrier = [&] {
+    if (c == 1) {
+      __syncthreads();
+    } else {
+      cluster.sync();
+    }
+  };
+  barrier();
+  for (int item = rank * kWarps * 32 + threadIdx.x; item < heads * (D / 2); item += c * kWarps * 32) {
+    const int j = item / (D / 2), d2 = item % (D / 2);
+    float M = -INFINITY;
+    for (int r = 0; r < c; ++r) M = fmaxf(M, at(&part_m[0], r)[j]);
+    float2 acc = make_float2(0.f, 0.f);
+    float l = 0.f;
+    if (M != -INFINITY) {
+      for (int r = 0; r < c; ++r) {
+        const float m = at(&part_m[0], r)[j];
+        if (m == -INFINITY) continue;
+        const float wt = exp2f(m - M);
+        const float2 v = *reinterpret_cast<const float2*>(at(&part_o[j][2 * d2], r));
+        acc.x += wt * v.x;
+        acc.y += wt * v.y;
+        l += wt * at(&part_l[0], r)[j];
+      }
+      acc.x /= l;
+      acc.y /= l;
+    }
+    *reinterpret_cast<__nv_bfloat162*>(out_rows + (int64_t)j * D + 2 * d2) =
+        __floats2bfloat162_rn(acc.x, acc.y);
+  }
+  if (c > 1) cluster.sync();  // c = 1: nothing reads this block's shared memory any more
+#else
+  __trap();  // the host never merges in a cluster below sm_90
+#endif
+}
+
 // Phase 1: grid (splits, Hkv * head_blocks, B), kWarps warps. Block (split, kvh/hb, b) attends the
 // query heads [8hb, 8hb + 8) of KV head kvh's group over tokens [split*chunk, +chunk) ∩ [0, len),
 // chunk from the live length len
@@ -194,8 +254,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     const __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], batch stride v_bstride
     const int* __restrict__ lengths,            // [B]
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
+    __nv_bfloat16* __restrict__ out,            // [B, H, D]: written here when cluster_merge
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
-    int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache) {
+    int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache, bool cluster_merge) {
   // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
   // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither).
   if (!prefetch_cache) pdl_wait();
@@ -231,8 +292,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   }
   pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
 
+  // The block's merged partial, in shared memory when the cluster merges the splits.
+  __shared__ __align__(16) float part_o[kHeadsPerBlock][D];
+  __shared__ float part_m[kHeadsPerBlock], part_l[kHeadsPerBlock];
+  __nv_bfloat16* out_rows = out + ((int64_t)b * H + head0) * D;
+
   if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
-    if (threadIdx.x < heads) {
+    if (cluster_merge) {
+      if (threadIdx.x < kHeadsPerBlock) {
+        part_m[threadIdx.x] = -INFINITY;
+        part_l[threadIdx.x] = 0.f;
+      }
+      merge_cluster<D>(part_o, part_m, part_l, out_rows, heads, splits);
+    } else if (threadIdx.x < heads) {
       float* row = ws + threadIdx.x * head_stride_ws;
       row[D] = -INFINITY;
       row[D + 1] = 0.f;
@@ -321,10 +393,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
       acc.y += wt * v.y;
       l += wt * sm_l[w][j];
     }
-    float* row = ws + j * head_stride_ws;
-    *reinterpret_cast<float2*>(row + 2 * d2) = acc;
-    if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
+    if (cluster_merge) {
+      *reinterpret_cast<float2*>(&part_o[j][2 * d2]) = acc;
+      if (d2 == 0) {
+        part_m[j] = M;
+        part_l[j] = l;
+      }
+    } else {
+      float* row = ws + j * head_stride_ws;
+      *reinterpret_cast<float2*>(row + 2 * d2) = acc;
+      if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
+    }
   }
+  if (cluster_merge) merge_cluster<D>(part_o, part_m, part_l, out_rows, heads, splits);
 }
 
 // Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
@@ -492,8 +573,24 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
   const int64_t pairs = batch * num_kv_heads;
   const int64_t fill = sm_count * kSplitBlocksPerSm / pairs;  // rounded down: one wave (group <= 8)
   const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
-  return std::max<int64_t>(1, std::min<int64_t>({fill, by_length, kMaxSplits}));
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({fill, by_length, kMaxSplits}));
+  // A short cache (at most 2 kClusterSplits minimum-length splits) takes kClusterSplits, so that
+  // its splits merge inside one cluster, with no combine kernel.
+  return splits > kClusterSplits && by_length <= 2 * kClusterSplits ? kClusterSplits : splits;
 }
+
+namespace {
+// The splits merge in their cluster (no workspace round trip, no combine kernel) where there are
+// at most kClusterSplits of them and the device has clusters (sm_90). DECODEX_ATTN_CLUSTER=0 keeps
+// the workspace and the combine kernel (for A/B runs; read per call).
+bool merge_in_cluster(int64_t splits, int device) {
+  if (splits > kClusterSplits || device_attribute<cudaDevAttrComputeCapabilityMajor>(device) < 9) {
+    return false;
+  }
+  const char* env = std::getenv("DECODEX_ATTN_CLUSTER");
+  return !(env != nullptr && env[0] == '0');
+}
+}  // namespace
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
@@ -577,21 +674,25 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int head_blocks = (group + kHeadsPerBlock - 1) / kHeadsPerBlock;
   const float scale_log2 = static_cast<float>(scale) * kLog2e;
   const cudaStream_t stream = current_stream();
+  const bool in_cluster = merge_in_cluster(splits, q.get_device());
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
-    cudaError_t err = launch_pdl(
+    cudaError_t err = launch_pdl_clusters(
         decode_attention_split_kernel<kD>, grid, dim3(kWarps * 32), 0, stream,
+        in_cluster ? static_cast<unsigned>(splits) : 1u,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(v_cache.data_ptr()), lengths.data_ptr<int>(),
-        workspace.data_ptr<float>(), q.stride(0), k_cache.stride(0), v_cache.stride(0),
-        static_cast<int>(H), group, head_blocks, static_cast<int>(S), static_cast<int>(splits),
-        static_cast<int>(workspace.size(2)), scale_log2, prefetch_cache);
+        workspace.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+        q.stride(0), k_cache.stride(0), v_cache.stride(0), static_cast<int>(H), group,
+        head_blocks, static_cast<int>(S), static_cast<int>(splits),
+        static_cast<int>(workspace.size(2)), scale_log2, prefetch_cache, in_cluster);
     DX_CHECK_LAUNCHED(err, "decode_attention (split)");
     DX_CHECK_LAUNCH("decode_attention (split)");
+    if (in_cluster) return;
 
     // The combine may launch while the split kernel drains (programmatic dependent launch).
     err = launch_pdl(

@@ -141,16 +141,62 @@ def test_batch_one_many_splits(length, H, Hkv, D):
     check_lengths([length], H, Hkv, D, LONG + 5)
 
 
+# Where the splits merge: "cluster" (at most 8 splits on sm_90: inside the split kernel's cluster)
+# or "combine" (DECODEX_ATTN_CLUSTER=0: the workspace and the combine kernel, which is also what
+# more than 8 splits always take).
+MERGES = ["cluster", "combine"]
+
+
+def _merge(monkeypatch, merge):
+    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "1" if merge == "cluster" else "0")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("H,Hkv", [(12, 2), (28, 4)] + BIG_GROUPS)
-@pytest.mark.parametrize("S,splits", [(1000, 8), (1500, 12), (2048, 16), (2053, 17)], ids=str)
-def test_combine_at_one_and_two_warps(S, splits, H, Hkv, D):
-    """Short caches at batch 1: 8 to 16 splits (one combine warp) and 17 (two), with lengths that
+@pytest.mark.parametrize("S,splits", [(1000, 8), (1500, 8), (2048, 8), (2053, 17)], ids=str)
+def test_short_caches_at_batch_one(monkeypatch, merge, S, splits, H, Hkv, D):
+    """Short caches at batch 1: 8 splits (at most 2 * 8 minimum-length splits take 8, merged in a
+    cluster or by the combine on one warp) and 17 (the combine on two warps), with lengths that
     leave trailing splits empty, length 0, and groups of more than 8 heads."""
+    _merge(monkeypatch, merge)
     assert _splits(1, Hkv, S) == splits
     for lengths in ([0], [1], [127], [129], [S // 2 + 3], [S]):
         check_lengths(lengths, H, Hkv, D, S)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("H,Hkv", [(12, 2), (20, 2)])
+@pytest.mark.parametrize("B,splits", [(1, 8), (17, 7), (22, 6), (27, 4), (45, 2), (67, 1)], ids=str)
+def test_every_cluster_size(monkeypatch, merge, B, splits, H, Hkv, D):
+    """Batches whose split count (from the capacity and the SM count) is each cluster size, 1 to 8,
+    with mixed lengths (0 and a single token among them): every split live, some empty, all empty."""
+    S = 1000
+    if torch.cuda.get_device_properties("cuda").multi_processor_count != 132:
+        pytest.skip("the split counts are those of a 132-SM GPU")
+    _merge(monkeypatch, merge)
+    assert _splits(B, Hkv, S) == splits
+    edge = [0, 1, 127, 128, 129, S]
+    lengths = [edge[b % len(edge)] if b < 2 * len(edge) else (53 * b) % (S + 1) for b in range(B)]
+    check_lengths(lengths, H, Hkv, D, S)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1000, 3000])
+def test_cluster_merge_close_to_combine(monkeypatch, S):
+    """The two merges sum the same partials in different orders: equal to a bf16 ulp or so."""
+    H, Hkv, D = 12, 2, 128
+    lengths = [S, 1, 0, S // 3]
+    q, k, v = make_inputs(lengths, H, Hkv, D, S)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    _merge(monkeypatch, "cluster")
+    a = run_op(q, k, v, lens, 0.088)
+    _merge(monkeypatch, "combine")
+    b = run_op(q, k, v, lens, 0.088)
+    torch.testing.assert_close(a.float(), b.float(), atol=8e-3, rtol=8e-3)
 
 
 @pytest.mark.gpu
@@ -251,13 +297,15 @@ def test_cuda_graph_replay_as_lengths_grow():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("start", [[0, 127, 4000], [1, 128, 2]], ids=str)
-def test_prefetch_cache_after_the_append(start, D):
+@pytest.mark.parametrize("start,S", [([0, 127, 4000], 4100), ([1, 128, 2], 4100), ([0, 127, 900], 1000)],
+                         ids=str)
+def test_prefetch_cache_after_the_append(start, S, D):
     """prefetch_cache=True right behind the append of row lengths - 1, as the decode step runs them:
     [rope_append at positions, decode_attention, advance_positions] in one CUDA graph. The appended
     row was poison before (huge K, NaN V), so reading it before the append finished would show; each
-    replay matches the reference on the cache as appended."""
-    H, Hkv, S = 12, 2, 4100
+    replay matches the reference on the cache as appended. (S = 1000: 8 splits, merged in a cluster
+    on sm_90.)"""
+    H, Hkv = 12, 2
     B = len(start)
     q, kc, vc = make_inputs(start, H, Hkv, D, S)
     pos = torch.tensor(start, dtype=torch.int32, device="cuda")
@@ -390,6 +438,9 @@ def test_splits_heuristic_is_sane():
     assert f(64, 8, 131072, sms) == 1  # 512 (b, kv head) pairs already fill the GPU
     assert f(1, 2, 32768, 132) >= f(4, 2, 32768, 132) >= f(16, 2, 32768, 132)
     assert f(1, 2, 64, 132) == 1
+    # a short cache (at most 16 minimum-length splits) takes 8, so they merge in one cluster
+    assert [f(1, 2, c, 132) for c in (1024, 1025, 1500, 2048, 2049)] == [8, 8, 8, 8, 17]
+    assert f(8, 2, 32768, 132) == 16  # a long cache keeps its split count
     for capacity in (1000, 32768):  # non-increasing in batch
         counts = [f(b, 2, capacity, sms) for b in range(1, 65)]
         assert counts == sorted(counts, reverse=True), (capacity, counts)
