@@ -190,10 +190,10 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
 // The splits of one (b, KV head, head block) merged inside their thread-block cluster (grid.x =
 // splits = the cluster size, at most kClusterSplits; sm_90): each block has put its merged partial
 // (o unnormalised, m in log2 units, l) in shared memory; after a cluster barrier the c * kWarps * 32
-// threads of the cluster share the outputs (head j, dims 2 d2, 2 d2 + 1), each reading the c
-// partials of its output through distributed shared memory in split order, and write bf16:
-// out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty split (m = -inf) gets
-// weight 0 and its o (never written) is not read; all empty (length 0) gives zeros. The second
+// threads of the cluster share the outputs (head j, dims 2 d2, 2 d2 + 1), each loading the c
+// partials of its output through distributed shared memory at once and summing them in split
+// order, and write bf16: out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty
+// split (m = -inf, o zeros) gets weight 0; all empty (length 0) gives zeros. The second
 // barrier keeps every block's shared memory alive until the other blocks' reads are done. This
 // replaces the workspace round trip and the combine kernel.
 template <int D>
@@ -217,22 +217,31 @@ __device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlo
   barrier();
   for (int item = rank * kWarps * 32 + threadIdx.x; item < heads * (D / 2); item += c * kWarps * 32) {
     const int j = item / (D / 2), d2 = item % (D / 2);
-    float M = -INFINITY;
-    for (int r = 0; r < c; ++r) M = fmaxf(M, at(&part_m[0], r)[j]);
+    // Every split's (m, l, o) of this output in flight at once: one round trip. An empty split's
+    // o is zeros (written so by its block), and its weight is 0.
+    float m[kClusterSplits], l[kClusterSplits];
+    float2 o[kClusterSplits];
+#pragma unroll
+    for (int r = 0; r < kClusterSplits; ++r) {
+      m[r] = r < c ? at(&part_m[0], r)[j] : -INFINITY;
+      l[r] = r < c ? at(&part_l[0], r)[j] : 0.f;
+      o[r] = r < c ? *reinterpret_cast<const float2*>(at(&part_o[j][2 * d2], r)) : make_float2(0.f, 0.f);
+    }
+    float M = m[0];
+#pragma unroll
+    for (int r = 1; r < kClusterSplits; ++r) M = fmaxf(M, m[r]);
     float2 acc = make_float2(0.f, 0.f);
-    float l = 0.f;
+    float sum = 0.f;
     if (M != -INFINITY) {
-      for (int r = 0; r < c; ++r) {
-        const float m = at(&part_m[0], r)[j];
-        if (m == -INFINITY) continue;
-        const float wt = exp2f(m - M);
-        const float2 v = *reinterpret_cast<const float2*>(at(&part_o[j][2 * d2], r));
-        acc.x += wt * v.x;
-        acc.y += wt * v.y;
-        l += wt * at(&part_l[0], r)[j];
+#pragma unroll
+      for (int r = 0; r < kClusterSplits; ++r) {
+        const float wt = exp2f(m[r] - M);  // 0 for an empty split or r >= c
+        acc.x += wt * o[r].x;
+        acc.y += wt * o[r].y;
+        sum += wt * l[r];
       }
-      acc.x /= l;
-      acc.y /= l;
+      acc.x /= sum;
+      acc.y /= sum;
     }
     *reinterpret_cast<__nv_bfloat162*>(out_rows + (int64_t)j * D + 2 * d2) =
         __floats2bfloat162_rn(acc.x, acc.y);
@@ -303,6 +312,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
         part_m[threadIdx.x] = -INFINITY;
         part_l[threadIdx.x] = 0.f;
       }
+      for (int i = threadIdx.x; i < heads * D; i += kWarps * 32) part_o[i / D][i % D] = 0.f;
       merge_cluster<D>(part_o, part_m, part_l, out_rows, heads, splits);
     } else if (threadIdx.x < heads) {
       float* row = ws + threadIdx.x * head_stride_ws;
