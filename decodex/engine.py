@@ -92,12 +92,6 @@ DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for
 PLANS = ("cublas", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "gemv")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
-# The whole-step check keeps the per-product plans only if their step replays this much faster than
-# all-cuBLAS. It times dead rows (no attention work), which misjudged the live step by up to ~4%:
-# at 1.5B batch 32 the per-product plans won by 1.2% with dead rows and lost by about 4% live;
-# where they won live (batch 16: 6.5% and 5.6%) they won by 10% and 6.6% with dead rows
-# (bench/RESULTS.md, sessions 9 and 10).
-PLAN_STEP_MARGIN = 0.03
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -715,7 +709,7 @@ class CudaGraphRunner(HostLoop):
     def _capture_checking_plans(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """First capture of a size over 8 rows: the products' plans as _plan_linears measured them
         one product at a time, kept only if the whole step replays faster with them than with every
-        product on cuBLAS, by PLAN_STEP_MARGIN (each product's neighbours in the step differ from its own in the trial:
+        product on cuBLAS (each product's neighbours in the step differ from its own in the trial:
         at 32 rows the wide gemv won its trials on qkv and o and lost in the step,
         bench/RESULTS.md, session 9)."""
         graph = self._capture_as_chosen(n, greedy)  # plans the products on first use
@@ -728,7 +722,7 @@ class CudaGraphRunner(HostLoop):
         cublas = self._capture_as_chosen(n, greedy)
         times["all cublas"] = self._replay_ms(cublas)
         self.plan_step_ms[n] = times
-        if times["per product"] > (1.0 - PLAN_STEP_MARGIN) * times["all cublas"]:
+        if times["all cublas"] < times["per product"]:
             return cublas
         self.linear_plan.update(chosen)
         return graph
