@@ -591,14 +591,19 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
 
 namespace {
 // The splits merge in their cluster (no workspace round trip, no combine kernel) where there are
-// at most kClusterSplits of them and the device has clusters (sm_90). DECODEX_ATTN_CLUSTER=0 keeps
-// the workspace and the combine kernel (for A/B runs; read per call).
-bool merge_in_cluster(int64_t splits, int device) {
+// at most kClusterSplits of them, the device has clusters (sm_90), and either the clusters are
+// pairs or the grid fills at most half of the one resident wave. Measured in the decode step
+// (bench/RESULTS.md, session 10): clusters of 4 and 8 in a full wave (256 blocks) lost to the
+// combine, up to 75 us a step (1.5B at 16 and 32 rows); pairs and small grids gained 20-100 us.
+// DECODEX_ATTN_CLUSTER=1 merges in the cluster wherever it can, =0 never (tests and A/B runs;
+// read per call).
+bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
   if (splits > kClusterSplits || device_attribute<cudaDevAttrComputeCapabilityMajor>(device) < 9) {
     return false;
   }
   const char* env = std::getenv("DECODEX_ATTN_CLUSTER");
-  return !(env != nullptr && env[0] == '0');
+  if (env != nullptr && *env != '\0') return env[0] != '0';
+  return splits <= 2 || blocks <= sm_count(device);
 }
 }  // namespace
 
@@ -684,7 +689,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int head_blocks = (group + kHeadsPerBlock - 1) / kHeadsPerBlock;
   const float scale_log2 = static_cast<float>(scale) * kLog2e;
   const cudaStream_t stream = current_stream();
-  const bool in_cluster = merge_in_cluster(splits, q.get_device());
+  const bool in_cluster =
+      merge_in_cluster(splits, B * Hkv * head_blocks * splits, q.get_device());
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
