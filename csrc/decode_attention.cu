@@ -18,8 +18,12 @@
 //     A-fragment words; P^T comes from the S^T accumulator through one movmatrix transpose per 8x8.
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, keeping the next
 // tile's K and V loads in flight (two register buffers) while it computes the current one. The warps
-// of a block are merged through shared memory into one partial (o, m, l) per (b, head, split) in
-// the workspace; a second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
+// of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
+// Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
+// the splits of a (b, KV head) are one thread-block cluster: the partials stay in shared memory and
+// the cluster merges them through distributed shared memory and writes bf16 (merge_cluster), with
+// no workspace round trip and no second kernel. Otherwise the partials go to the workspace and a
+// second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 2 splits at
 // batch 64 on a 1K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
 // its share of the splits in chunks of 32 with an online rescale, all of a chunk's rows of o in
@@ -571,8 +575,9 @@ int combine_batch(int64_t splits) {
 // as fit B * Hkv * splits split blocks in one resident wave (kSplitBlocksPerSm per SM, i.e. 2x the
 // SM count: 8 warps per SM, each with two 16-token tiles of loads in flight), but no split shorter
 // than kMinSplitTokens (2 tiles per warp) so short caches are not cut into slivers whose partials
-// cost more than they save. Monotone non-decreasing in capacity, non-increasing in batch and KV
-// heads; 1 once the (b, kv head) pairs alone fill the GPU.
+// cost more than they save; a short cache whose minimum-length splits number 9 to 16 takes 8, so that
+// its splits can merge in one cluster. Monotone non-decreasing in capacity, non-increasing in batch
+// and KV heads; 1 once the (b, kv head) pairs alone fill the GPU.
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count) {
   DX_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
