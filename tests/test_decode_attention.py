@@ -27,9 +27,9 @@ CAPACITY = 4099
 # ... and batches that mix lengths, an inactive (0) sequence among them.
 MIXED = [[0, 129, 4095], [127, 1, 2], [4099, 0, 128]]
 LONG = 32768  # long-context cases: capacity LONG + 5
-# The combine kernel runs one warp per 16 splits, 1 to 8. Few splits: batch 64 on a short cache
-# (2 splits at Hkv 2, 1 at Hkv 8: one warp, no shared-memory merge), lengths cycling through the
-# edge cases, the rest spread over [0, capacity].
+# Few splits: batch 64 on a short cache (2 splits at Hkv 2, 1 at Hkv 8: merged in a cluster on
+# sm_90, else by the combine on one warp), lengths cycling through the edge cases, the rest spread
+# over [0, capacity].
 FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY = 64, 1029
 # Many splits: batch 1 on a LONG + 5 cache (132 splits at Hkv 2, 264 at Hkv 1 on an H200: 8 warps,
 # at Hkv 1 33 splits a warp, i.e. two chunks of 32); the short lengths leave most splits empty.
@@ -123,7 +123,8 @@ def test_long_context(H, Hkv, D):
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("H,Hkv", [(12, 2), (8, 8)])
 def test_large_batch_few_splits(H, Hkv, D):
-    """Batch 64 on a short cache: the combine on one warp, mixed lengths (0 among them)."""
+    """Batch 64 on a short cache, mixed lengths (0 among them): 2 splits at Hkv 2 and 1 at Hkv 8,
+    merged in a cluster on sm_90 (test_every_cluster_size runs both merges at these counts)."""
     B, S = FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY
     assert _splits(B, Hkv, S) <= 16  # one combine warp
     edge = [0, 1, 127, 128, 129, S]
