@@ -31,8 +31,9 @@ LONG = 32768  # long-context cases: capacity LONG + 5
 # sm_90, else by the combine on one warp), lengths cycling through the edge cases, the rest spread
 # over [0, capacity].
 FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY = 64, 1029
-# Many splits: batch 1 on a LONG + 5 cache (132 splits at Hkv 2, 264 at Hkv 1 on an H200: 8 warps,
-# at Hkv 1 33 splits a warp, i.e. two chunks of 32); the short lengths leave most splits empty.
+# Many splits: batch 1 on a LONG + 5 cache (132 splits at Hkv 2, 264 at Hkv 1 on an H200: 8
+# combine warps, at Hkv 1 33 splits a warp, i.e. two chunks of 32); the short lengths leave most
+# splits empty.
 MANY_SPLITS_HEADS = [(12, 2), (4, 1)]
 MANY_SPLITS_LENGTHS = [0, 1, 127, 128, 129, 12345, LONG + 5]
 # DECODEX_TEST_QUICK (set for the compute-sanitizer runs): fewer cases, no 32K ones.
