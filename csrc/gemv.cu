@@ -437,32 +437,27 @@ GemvKernel kernel_for_m(int u) {
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }
 
-// m > 8: the wide variants (kStore without RMS; the ops refuse the rest).
-GemvKernel wide_kernel_for(int m, int u) {
-  constexpr int kStore = static_cast<int>(GemvEpilogue::kStore);
-  switch (kernel_rows(m)) {
-    case 16: return kernel_for_m<16, kStore, false>(u);
-    case 24: return kernel_for_m<24, kStore, false>(u);
-    case 32: return kernel_for_m<32, kStore, false>(u);
-    case 40: return kernel_for_m<40, kStore, false>(u);
-    case 48: return kernel_for_m<48, kStore, false>(u);
-    case 56: return kernel_for_m<56, kStore, false>(u);
-    default: return kernel_for_m<64, kStore, false>(u);
-  }
+// The kernel of template M = Ms for the m that equals one of Ms (nullptr for none).
+template <int kEpi, bool kRms, int... Ms>
+GemvKernel kernel_among(int m, int u, std::integer_sequence<int, Ms...>) {
+  GemvKernel k = nullptr;
+  (void)((m == Ms && (k = kernel_for_m<Ms, kEpi, kRms>(u)) != nullptr) || ...);
+  return k;
 }
 
+// m <= 8: the kernel of M = m; m > 8: the wide variants, M = m rounded up to a multiple of 8
+// (kStore without RMS only; the ops refuse the rest).
 template <int kEpi, bool kRms>
 GemvKernel kernel_for(int m, int u) {
-  switch (m) {
-    case 1: return kernel_for_m<1, kEpi, kRms>(u);
-    case 2: return kernel_for_m<2, kEpi, kRms>(u);
-    case 3: return kernel_for_m<3, kEpi, kRms>(u);
-    case 4: return kernel_for_m<4, kEpi, kRms>(u);
-    case 5: return kernel_for_m<5, kEpi, kRms>(u);
-    case 6: return kernel_for_m<6, kEpi, kRms>(u);
-    case 7: return kernel_for_m<7, kEpi, kRms>(u);
-    default: return kernel_for_m<8, kEpi, kRms>(u);
+  GemvKernel k = nullptr;
+  if (m <= kMaxRows) {
+    k = kernel_among<kEpi, kRms>(m, u, std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>{});
+  } else if constexpr (kEpi == static_cast<int>(GemvEpilogue::kStore) && !kRms) {
+    k = kernel_among<kEpi, kRms>(kernel_rows(m), u,
+                                 std::integer_sequence<int, 16, 24, 32, 40, 48, 56, 64>{});
   }
+  DX_CHECK(k != nullptr, "decodex::gemv: no kernel for ", m, " rows of x with this epilogue");
+  return k;
 }
 
 template <bool kRms>
@@ -477,7 +472,6 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
 }
 
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool rms) {
-  if (m > kMaxRows) return wide_kernel_for(m, u);
   return rms ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
 }
 
