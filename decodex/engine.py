@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodex import _ext, reference
-from decodex.model import GEMV_MAX_ROWS  # decodex.gemv's limit on the rows of x
+from decodex.model import GEMV_MAX_ROWS  # rows of x of the fused GEMVs and of rms_eps
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
@@ -531,12 +531,11 @@ class CudaGraphRunner(HostLoop):
         all n <= 64 rows) or "cublas"; the last two leave the norm, RoPE and SiLU to the ops after."""
         return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
 
-    def _product(self, n: int, name: str, x, w, b, out) -> None:
-        """out = x @ w^T (+ b) over all n rows, by the "cublas" or "gemv" plan of `name`."""
-        if self._plan(n, name) == "gemv":
-            torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True)
-        else:
-            _cublas_linear(x, w, b, out)
+    def _gemv_rows(self, n: int, name: str) -> list[slice]:
+        """The row slices the decodex GEMVs of product `name` take in a graph of n rows: all n at once
+        by the "gemv" plan, 8-row chunks otherwise."""
+        step = n if self._plan(n, name) == "gemv" else GEMV_MAX_ROWS
+        return [slice(r, min(r + step, n)) for r in range(0, n, step)]
 
     def _normed(self, n: int, name: str, weight=None):
         """The input of product `name`, rms_norm(residual, weight), as (x, rms_eps) for the product:
@@ -562,32 +561,28 @@ class CudaGraphRunner(HostLoop):
         return hidden, None
 
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
-        """out[n, N] = x[n, K] @ w[N, K]^T (+ b), scaled by 1/rms(x) if rms_eps is given (gemv8)."""
-        if self._plan(n, name) in WIDE_PLANS:
-            self._product(n, name, x, w, b, out)
-        else:
-            for r in range(0, n, GEMV_MAX_ROWS):
-                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, out[r: r + GEMV_MAX_ROWS],
-                                       prefetch_weight=True, rms_eps=rms_eps)
+        """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
+        rms_eps is given (gemv8 only)."""
+        if self._plan(n, name) == "cublas":
+            _cublas_linear(x, w, b, out)
+            return
+        for s in self._gemv_rows(n, name):
+            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
 
     def _add_product(self, n: int, name: str, x, w, b) -> None:
-        """residual[n] += x @ w^T (+ b): gemv with accumulate (over 8-row chunks, or all rows at once
-        by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a bias,
-        else into delta, which the next norm adds (_normed)."""
-        if self._plan(n, name) == "gemv":
-            torch.ops.decodex.gemv(x, w, b, self.residual[:n], prefetch_weight=True, accumulate=True)
-            return
+        """residual[n] += x @ w^T (+ b): gemv with accumulate (_gemv_rows: 8-row chunks, or all rows
+        at once by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a
+        bias, else into delta, which the next norm adds (_normed)."""
         if self._plan(n, name) == "cublas":
             if b is None:
                 self.residual[:n].addmm_(x, w.t())
                 return
             _cublas_linear(x, w, b, self.delta[:n])
             self._pending_delta = True
-        else:
-            residual = self.residual[:n]
-            for r in range(0, n, GEMV_MAX_ROWS):
-                torch.ops.decodex.gemv(x[r: r + GEMV_MAX_ROWS], w, b, residual[r: r + GEMV_MAX_ROWS],
-                                       prefetch_weight=True, accumulate=True)
+            return
+        residual = self.residual[:n]
+        for s in self._gemv_rows(n, name):
+            torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True)
 
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
@@ -596,16 +591,15 @@ class CudaGraphRunner(HostLoop):
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         if self._plan(n, "qkv") in WIDE_PLANS:
             q, k, v, _ = self._views(n)
-            if rms_eps is None:
-                self._product(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv)
-                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache)
-            else:  # x is the residual: rope_append scales the product by 1/rms(x), then adds the bias
-                self._product(n, "qkv", x, layer.qkv_w, None, qkv)
-                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
-                                              rms_x=x, rms_eps=rms_eps, bias=layer.qkv_b)
+            # With rms_eps, x is the residual: rope_append scales the product by 1/rms(x), then adds
+            # the bias.
+            scaled = rms_eps is not None
+            self._linear(n, "qkv", x, layer.qkv_w, None if scaled else layer.qkv_b, qkv)
+            torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
+                                          rms_x=x if scaled else None, rms_eps=rms_eps,
+                                          bias=layer.qkv_b if scaled else None)
         else:
-            for r in range(0, n, GEMV_MAX_ROWS):
-                s = slice(r, r + GEMV_MAX_ROWS)
+            for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
                                                    qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
                                                    rms_eps=rms_eps)
@@ -615,14 +609,13 @@ class CudaGraphRunner(HostLoop):
         product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or a product (cuBLAS
         or the wide gemv) then silu_mul."""
         if self._plan(n, "gate_up") in WIDE_PLANS:
-            self._product(n, "gate_up", x, w, None, self.gate_up[:n])
+            self._linear(n, "gate_up", x, w, None, self.gate_up[:n])
             # With rms_eps, x is the residual: the product's rows are scaled by 1/rms(x) first.
             torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=None if rms_eps is None else x,
                                        rms_eps=rms_eps)
         else:
-            for r in range(0, n, GEMV_MAX_ROWS):
-                torch.ops.decodex.gemv_silu_mul(x[r: r + GEMV_MAX_ROWS], w, act[r: r + GEMV_MAX_ROWS],
-                                                prefetch_weight=True, rms_eps=rms_eps)
+            for s in self._gemv_rows(n, "gate_up"):
+                torch.ops.decodex.gemv_silu_mul(x[s], w, act[s], prefetch_weight=True, rms_eps=rms_eps)
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""

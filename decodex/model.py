@@ -40,7 +40,7 @@ def unit_norm(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
-GEMV_MAX_ROWS = 8  # the gemv kernel's limit on M; more rows go to cuBLAS
+GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64); eager: more go to cuBLAS
 
 
 @dataclass
