@@ -22,12 +22,9 @@ TORCH_LIBRARY(decodex, m) {
   // rms_eps (all three GEMV ops): each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) +
   // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
   // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias
-  // included), the product rounded to bf16 first. x must not overlap out. prefetch_l2 (gemv): up to
-  // 4 contiguous tensors (16-byte aligned, whole multiples of 16 bytes) that the GEMV asks L2 for
-  // before it waits for the kernel ahead, such as the weights of the products after it; it only
-  // reads them (a hint: results do not depend on it).
+  // included), the product rounded to bf16 first. x must not overlap out.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, bool accumulate=False, Tensor[]? prefetch_l2=None) -> ()");
+        "float? rms_eps=None, bool accumulate=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
   m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "

@@ -92,30 +92,6 @@ constexpr int kMaxWarps = 8;   // warps per block (wr * wk)
 constexpr int kMaxCluster = 8; // portable cluster size limit
 constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the RMS scale
 
-// prefetch_l2: block b asks L2 for its 1/gridDim.x share of the ranges (taken as one sequence of
-// bytes), in kL2Chunk pieces spread over its threads. Nothing waits for them.
-constexpr int64_t kL2Chunk = 4096;
-__device__ __forceinline__ void prefetch_l2_share(const L2Prefetch& l2) {
-  int64_t total = 0;
-#pragma unroll
-  for (int i = 0; i < kMaxL2Prefetch; ++i) total += l2.bytes[i];
-  if (total == 0) return;
-  const int64_t units = total / 16;  // every range is a multiple of 16 bytes (host-checked)
-  const int64_t lo = units * blockIdx.x / gridDim.x * 16;
-  const int64_t hi = units * (blockIdx.x + 1) / gridDim.x * 16;
-  for (int64_t off = lo + static_cast<int64_t>(threadIdx.x) * kL2Chunk; off < hi;
-       off += static_cast<int64_t>(blockDim.x) * kL2Chunk) {
-    const int64_t end = min(off + kL2Chunk, hi);
-    int64_t base = 0;  // where range i starts in the sequence
-#pragma unroll
-    for (int i = 0; i < kMaxL2Prefetch; ++i) {
-      const int64_t s = max(off, base), e = min(end, base + l2.bytes[i]);
-      if (s < e) prefetch_l2_bulk(l2.ptr[i] + (s - base), static_cast<uint32_t>(e - s));
-      base += l2.bytes[i];
-    }
-  }
-}
-
 // Grid: ceil(tiles / wr) * c blocks of wr*wk warps; clusters of (c, 1, 1) when c > 1.
 // Warp w of block b: tile (b / c) * wr + w / wk, k-range (b % c) * wk + w % wk of the P = wk * c
 // ranges that split ceil(K/32) k-steps as evenly as integers allow.
@@ -146,8 +122,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows,
-            const L2Prefetch l2) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
   // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
@@ -271,7 +246,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     prefetch_l2_bulk(weight + static_cast<int64_t>(tile_row(lane)) * ldw + k0,
                      static_cast<uint32_t>(k1 - k0) * 2u);
   }
-  prefetch_l2_share(l2);  // after this block's own first loads, which come first
   pdl_begin();
   // accumulate: the lanes that will store (lead warps, rank 0 of a cluster) fetch the outputs they
   // add to now, so that round trip overlaps the main loop instead of following it.
@@ -453,7 +427,7 @@ struct GemvConfig {
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs, int, const L2Prefetch);
+                            int, bool, float, bool, const RopeAppendArgs, int);
 
 template <int M, int kEpi, bool kRms>
 GemvKernel kernel_for_m(int u) {
@@ -738,30 +712,6 @@ GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& 
   return o;
 }
 
-L2Prefetch check_l2_prefetch(const char* op, at::TensorList tensors, const at::Tensor& x) {
-  DX_CHECK(tensors.size() <= kMaxL2Prefetch, "decodex::", op, ": prefetch_l2 takes at most ",
-           kMaxL2Prefetch, " tensors, got ", tensors.size());
-  L2Prefetch l2;
-  int64_t total = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    DX_CHECK(t.is_cuda() && t.device() == x.device(), "decodex::", op, ": prefetch_l2[", i,
-             "] must be a CUDA tensor on x's device ", x.device(), ", got ", t.device());
-    DX_CHECK(t.is_contiguous(), "decodex::", op, ": prefetch_l2[", i, "] must be contiguous, got ",
-             "strides ", t.strides(), " for shape ", t.sizes());
-    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    DX_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && bytes % 16 == 0, "decodex::", op,
-             ": prefetch_l2[", i, "] must start 16-byte aligned and span a multiple of 16 bytes, ",
-             "got ", bytes, " bytes");
-    l2.ptr[i] = static_cast<const char*>(t.data_ptr());
-    l2.bytes[i] = bytes;
-    total += bytes;
-  }
-  DX_CHECK(total < (int64_t{1} << 40), "decodex::", op, ": prefetch_l2 spans too many bytes (",
-           total, ")");
-  return l2;
-}
-
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias_ptr, at::Tensor& out, GemvEpilogue epilogue,
                  const GemvOptions& options, const RopeAppendArgs& rope) {
@@ -807,7 +757,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
       options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope,
-      static_cast<int>(M), options.l2);
+      static_cast<int>(M));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -818,8 +768,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          std::optional<at::TensorList> prefetch_l2) {
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -827,8 +776,8 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
            kMaxRows, " rows a call)");
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
-  GemvOptions options = gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
-  options.l2 = check_l2_prefetch("gemv", prefetch_l2.value_or(at::TensorList{}), x);
+  const GemvOptions options =
+      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
   launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
 }

@@ -26,17 +26,6 @@ struct RopeAppendArgs {
   int H = 0, Hkv = 0, S = 0, D = 0;
 };
 
-// prefetch_l2: memory the GEMV asks L2 for before its griddepcontrol.wait, up to kMaxL2Prefetch
-// contiguous byte ranges (16-byte aligned, multiples of 16 bytes), shared out over the grid's
-// blocks. Meant for the weights of the kernels after this one: while this GEMV waits for its x
-// behind a latency-bound kernel (the decode step's o GEMV waits on attention), the DRAM would
-// otherwise sit idle.
-constexpr int kMaxL2Prefetch = 4;
-struct L2Prefetch {
-  const char* ptr[kMaxL2Prefetch] = {};
-  int64_t bytes[kMaxL2Prefetch] = {};  // 0: unused slot
-};
-
 // The options every GEMV op takes (the schema arguments of the same names, see bindings.cpp).
 struct GemvOptions {
   // The kernel just before on the stream does not write the weight: the GEMV may load its first
@@ -46,8 +35,6 @@ struct GemvOptions {
   std::optional<float> rms_eps;
   // kStore only: out += the product (rounded to bf16 first, as gemv then an add would round).
   bool accumulate = false;
-  // Ranges to ask L2 for before the wait (none by default).
-  L2Prefetch l2;
 };
 
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
@@ -68,9 +55,6 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps,
                          bool accumulate = false);
-// prefetch_l2's tensors as ranges: each contiguous, on x's device, 16-byte aligned, a multiple of
-// 16 bytes long; at most kMaxL2Prefetch of them.
-L2Prefetch check_l2_prefetch(const char* op, at::TensorList tensors, const at::Tensor& x);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,

@@ -6,8 +6,7 @@
 namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          std::optional<at::TensorList> prefetch_l2);
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);

@@ -537,21 +537,6 @@ class CudaGraphRunner(HostLoop):
         step = n if self._plan(n, name) == "gemv" else GEMV_MAX_ROWS
         return [slice(r, min(r + step, n)) for r in range(0, n, step)]
 
-    def _l2_after_attention(self, i: int) -> list:
-        """What layer i's o gemv asks L2 for while it waits for attention (EXPERIMENT: from
-        DECODEX_L2_PREFETCH = "weight:MB,..." with weight one of o_w, gate_up_w, down_w: the first MB
-        of that weight of layer i)."""
-        import os
-        spec = os.environ.get("DECODEX_L2_PREFETCH", "")
-        layer, out = self.model.layers[i], []
-        for item in filter(None, spec.split(",")):
-            name, mb = item.split(":")
-            w = getattr(layer, name).reshape(-1)
-            k = min(w.numel(), int(float(mb) * 2 ** 20) // w.element_size() // 8 * 8)
-            if k:
-                out.append(w[:k])
-        return out
-
     def _normed(self, n: int, name: str, weight=None):
         """The input of product `name`, rms_norm(residual, weight), as (x, rms_eps) for the product:
         (residual, eps) when the norm's weight is folded into the product's (weight None) and its
@@ -584,11 +569,10 @@ class CudaGraphRunner(HostLoop):
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
 
-    def _add_product(self, n: int, name: str, x, w, b, prefetch_l2=()) -> None:
+    def _add_product(self, n: int, name: str, x, w, b) -> None:
         """residual[n] += x @ w^T (+ b): gemv with accumulate (_gemv_rows: 8-row chunks, or all rows
         at once by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a
-        bias, else into delta, which the next norm adds (_normed). prefetch_l2: tensors the first
-        gemv asks L2 for before it waits (the products after it)."""
+        bias, else into delta, which the next norm adds (_normed)."""
         if self._plan(n, name) == "cublas":
             if b is None:
                 self.residual[:n].addmm_(x, w.t())
@@ -597,9 +581,8 @@ class CudaGraphRunner(HostLoop):
             self._pending_delta = True
             return
         residual = self.residual[:n]
-        for i, s in enumerate(self._gemv_rows(n, name)):
-            torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True,
-                                   prefetch_l2=(list(prefetch_l2) or None) if i == 0 else None)
+        for s in self._gemv_rows(n, name):
+            torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True)
 
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
@@ -651,8 +634,7 @@ class CudaGraphRunner(HostLoop):
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
             # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.
             ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
-            self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None),
-                              self._l2_after_attention(i) if n <= GEMV_MAX_ROWS else ())
+            self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None))
             x, rms_eps = self._normed(n, "gate_up")  # the post-attention norm: folded into gate_up_w
             self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)
             self._add_product(n, "down", act, layer.down_w, None)

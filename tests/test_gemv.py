@@ -276,56 +276,6 @@ def test_gemv_prefetch_weight(M, N, K):
         assert torch.equal(got, exp)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K", [(1, 1536, 1536), (8, 776, 8960), (3, 7, 8), (64, 2048, 1536)])
-def test_gemv_prefetch_l2(M, N, K):
-    """prefetch_l2 (tensors asked of L2 before the wait) changes no result: a graph of GEMVs, each
-    accumulating into the output of the one before and asking L2 for the next one's weight and for
-    odd-sized tensors (1 to 4 of them, a 16-byte one, one of several MB), bitwise equal to plain
-    calls."""
-    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-    ws = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(4)]
-    extra = [torch.randn(8, device="cuda").to(torch.bfloat16),  # 16 bytes
-             torch.randn(3, 1000, 1032, device="cuda").to(torch.bfloat16)]  # ~6 MB
-    lists = [[ws[1]], [ws[2], extra[0]], [ws[3], extra[1], extra[0], ws[0]], []]
-    out = _poisoned(M, N)
-
-    def chain(l2):
-        out.zero_()
-        for w, pre in zip(ws, lists):
-            torch.ops.decodex.gemv(x, w, None, out, prefetch_weight=True, accumulate=True,
-                                   prefetch_l2=pre if l2 else None)
-
-    chain(False)
-    want = out.clone()
-    ref = sum(reference.gemv(x.float(), w.float()) for w in ws)
-    assert torch.isfinite(want).all()
-    torch.testing.assert_close(want.float(), ref, rtol=2e-2, atol=2e-2 * K**0.5 / 8)
-    graph = capture_graph(lambda: chain(True))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-
-
-@pytest.mark.gpu
-def test_gemv_prefetch_l2_rejects():
-    x, w, _ = _inputs(2, 64, 136, bias=False)
-    out = _poisoned(2, 64)
-    gemv = torch.ops.decodex.gemv
-    with pytest.raises(RuntimeError, match=r"prefetch_l2 takes at most 4 tensors, got 5"):
-        gemv(x, w, None, out, prefetch_l2=[w] * 5)
-    with pytest.raises(RuntimeError, match=r"prefetch_l2\[1\] must be contiguous"):
-        gemv(x, w, None, out, prefetch_l2=[w, w.t()])
-    with pytest.raises(RuntimeError, match=r"prefetch_l2\[0\] must start 16-byte aligned"):
-        gemv(x, w, None, out, prefetch_l2=[w.reshape(-1)[1:9]])
-    with pytest.raises(RuntimeError, match=r"prefetch_l2\[0\] must start 16-byte aligned and span a multiple"):
-        gemv(x, w, None, out, prefetch_l2=[w.reshape(-1)[:7]])
-    with pytest.raises(RuntimeError, match=r"prefetch_l2\[0\] must be a CUDA tensor on x's device"):
-        gemv(x, w, None, out, prefetch_l2=[w.cpu()])
-    assert torch.isnan(out).all()  # nothing ran
-
-
 # ---------------------------------------------------------------- GPU: rms_eps, accumulate
 
 RMS_EPS = 1e-6
@@ -546,7 +496,7 @@ def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, "
-                      "bool accumulate=False, Tensor[]? prefetch_l2=None) -> ()"), schema
+                      "bool accumulate=False) -> ()"), schema
 
 
 @pytest.mark.ext
@@ -562,7 +512,6 @@ def test_gemv_fake_tensor_mode():
         assert torch.ops.decodex.gemv(x, w, b, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out, rms_eps=1e-6, accumulate=True) is None
-        assert torch.ops.decodex.gemv(x, w, None, out, prefetch_l2=[w, b]) is None
 
 
 @pytest.mark.ext
