@@ -136,6 +136,20 @@ inline RmsX check_rms_x(const char* op, const std::optional<at::Tensor>& rms_x,
   return r;
 }
 
+// Whether the memory spans of two tensors intersect (bytes from the first to past the last element).
+inline bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 // A device attribute, asked once per device (ordinals below 64) and cached; 0 stands for "not
 // asked yet" (the attributes cached here are never 0).
 template <cudaDeviceAttr kAttr>
@@ -270,6 +284,21 @@ __device__ __forceinline__ bf16x8 float_to_bf16x8(const float (&f)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) v.h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
   return v;
+}
+
+// The rms_x / bias step of rope_append (and rope_append_attention) on 8 values: unpacked to fp32 and,
+// if scaled or biased, multiplied by scale, bias[0..8) added and the sum rounded to bf16, as gemv's
+// rms_eps and bias epilogue stores its product.
+__device__ __forceinline__ void scale_bias_round8(const bf16x8& raw, bool scaled, float scale,
+                                                  const __nv_bfloat16* bias, float (&f)[8]) {
+  bf16x8_to_float(raw, f);
+  if (!scaled && bias == nullptr) return;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float y = __fmul_rn(f[j], scale);  // scale is 1 when not scaled: exact
+    if (bias != nullptr) y = __fadd_rn(y, __bfloat162float(bias[j]));
+    f[j] = __bfloat162float(__float2bfloat16_rn(y));
+  }
 }
 
 // 1 / rms from a row's fp32 sum of squares (precise division and rsqrtf, no fast-math), as

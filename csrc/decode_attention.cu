@@ -56,6 +56,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "decode_attention.h"
 #include "ptx.cuh"
 #include "ops.h"
 
@@ -256,11 +257,111 @@ __device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlo
 #endif
 }
 
+// rope_append_attention's prologue (kRope): rope_append's work for what this block reads or writes,
+// done by the block itself after the wait, with rope_append's arithmetic (so the op equals
+// rope_append then decode_attention bit for bit). Work items are 8-pair slices (8 dims of each half
+// of a head) of the block's query heads and, where the block reads row pos (kv_fresh) or appends it
+// (append), of k and v: loaded first, then (live rows) scaled by 1/rms(rms_x row), biased and
+// rounded to bf16 (scale_bias_round8), q and k rotated. q goes to sm_q, k and v to sm_kv (whence the
+// tile holding row pos is patched), and the appending block writes them to the caches' row pos. A
+// row with no position (pos < 0) keeps its q as it is, as rope_append leaves it.
+template <int D>
+__device__ __forceinline__ void rope_prologue(const AttnRope& rope, const __nv_bfloat16* q_row,
+                                              __nv_bfloat16* k_cache_row, __nv_bfloat16* v_cache_row,
+                                              int b, int kvh, int head0, int heads, int H, int Hkv,
+                                              int pos, bool kv_fresh, bool append,
+                                              __nv_bfloat16 (&sm_q)[kHeadsPerBlock][D],
+                                              __nv_bfloat16 (&sm_kv)[2][D]) {
+  __shared__ float cs[D];  // cos [D/2], then sin [D/2]
+  __shared__ float scratch[32];
+  constexpr int kSlices = D / 16;  // 8-pair slices of a head
+  const int q_items = heads * kSlices;
+  const int items = q_items + (kv_fresh || append ? 2 * kSlices : 0);
+  const int it = threadIdx.x;  // kWarps * 32 >= 8 * 8 + 2 * 8 items at D = 128
+  // Item it: a q head, or the k or v head kvh (which = 0, 1, 2), and its first pair c0.
+  const int which = it < q_items ? 0 : (it - q_items) / kSlices + 1;
+  const int hj = it < q_items ? it / kSlices : 0, c0 = (it % kSlices) * 8;
+  const __nv_bfloat16* src = which == 0 ? q_row + (int64_t)hj * D
+                             : which == 1 ? rope.k + (int64_t)b * rope.k_bstride + (int64_t)kvh * D
+                                          : rope.v + (int64_t)b * rope.v_bstride + (int64_t)kvh * D;
+  const int bias_head = which == 0 ? head0 + hj : which == 1 ? H + kvh : H + Hkv + kvh;
+  bf16x8 a1 = {}, a2 = {};
+  if (it < items) {  // loaded before the sum of squares, so the round trips overlap
+    a1 = *reinterpret_cast<const bf16x8*>(src + c0);
+    a2 = *reinterpret_cast<const bf16x8*>(src + D / 2 + c0);
+  }
+  const bool scaled = rope.rms_x != nullptr;
+  const float ss = scaled ? thread_sum_squares(rope.rms_x + (int64_t)b * rope.x_bstride, rope.K) : 0.f;
+  const float scale = scaled ? rms_inv(block_sum(ss, scratch), rope.K, rope.rms_eps) : 1.f;
+  if (pos >= 0) {
+    for (int i = threadIdx.x; i < D / 2; i += kWarps * 32) {
+      float c, s;
+      rope_cos_sin(pos, rope.inv_freq[i], c, s);
+      cs[i] = c;
+      cs[D / 2 + i] = s;
+    }
+  }
+  __syncthreads();
+  if (it < items) {
+    bf16x8 r1 = a1, r2 = a2;  // q of a row with no position: as it is
+    if (pos >= 0) {
+      const __nv_bfloat16* bias = rope.bias == nullptr ? nullptr : rope.bias + (int64_t)bias_head * D;
+      float x1[8], x2[8];
+      scale_bias_round8(a1, scaled, scale, bias == nullptr ? nullptr : bias + c0, x1);
+      scale_bias_round8(a2, scaled, scale, bias == nullptr ? nullptr : bias + D / 2 + c0, x2);
+      if (which < 2) {
+        float o1[8], o2[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) rope_rotate(x1[j], x2[j], cs[c0 + j], cs[D / 2 + c0 + j], o1[j], o2[j]);
+        r1 = float_to_bf16x8(o1);
+        r2 = float_to_bf16x8(o2);
+      } else {
+        r1 = float_to_bf16x8(x1);
+        r2 = float_to_bf16x8(x2);
+      }
+    }
+    __nv_bfloat16* dst = which == 0 ? sm_q[hj] : sm_kv[which - 1];
+    *reinterpret_cast<bf16x8*>(dst + c0) = r1;
+    *reinterpret_cast<bf16x8*>(dst + D / 2 + c0) = r2;
+    if (which > 0 && append) {
+      __nv_bfloat16* row = which == 1 ? k_cache_row : v_cache_row;
+      *reinterpret_cast<bf16x8*>(row + c0) = r1;
+      *reinterpret_cast<bf16x8*>(row + D / 2 + c0) = r2;
+    }
+  }
+  __syncthreads();
+}
+
+// kRope: the lanes of a tile that hold row pos (token rel = pos - base of the tile) take its k and v
+// from sm_kv instead of what the cache held when the tile was loaded.
+template <int D>
+__device__ __forceinline__ void patch_fresh_row(KVTile<D>& tile, int rel, int g, int t,
+                                                const __nv_bfloat16 (&sm_kv)[2][D]) {
+  if (rel < 0 || rel >= kTile) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (g + 8 * r == rel) {
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) tile.k[r][c] = *reinterpret_cast<const uint4*>(&sm_kv[0][32 * c + 8 * t]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (2 * t + (i & 1) + 8 * (i >> 1) == rel) {
+#pragma unroll
+      for (int h = 0; h < D / 64; ++h) tile.v[i][h] = *reinterpret_cast<const uint4*>(&sm_kv[1][64 * h + 8 * g]);
+    }
+  }
+}
+
 // Phase 1: grid (splits, Hkv * head_blocks, B), kWarps warps. Block (split, kvh/hb, b) attends the
 // query heads [8hb, 8hb + 8) of KV head kvh's group over tokens [split*chunk, +chunk) ∩ [0, len),
 // chunk from the live length len
 // and writes, per head, the unnormalised o[D], the running max m (log2 units) and the sum l.
-template <int D>
+// kRope (rope_append_attention): q, rope.k and rope.v are the unrotated product rows; the block
+// first does rope_append's work for what it reads (rope_prologue) and the row positions[b] is taken
+// from there, not from the cache; the block that owns that row appends it to the caches.
+template <int D, bool kRope>
 __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     const __nv_bfloat16* __restrict__ q,        // [B, H, D], batch stride q_bstride
     const __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], batch stride k_bstride
@@ -269,9 +370,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     float* __restrict__ workspace,              // [B, H, splits_cap, D + 2]
     __nv_bfloat16* __restrict__ out,            // [B, H, D]: written here when cluster_merge
     int64_t q_bstride, int64_t k_bstride, int64_t v_bstride, int H, int group, int head_blocks,
-    int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache, bool cluster_merge) {
+    int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache, bool cluster_merge,
+    const AttnRope rope) {
   // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
-  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither).
+  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither); kRope: also
+  // positions and every cache row (the kernel ahead writes no cache row; this one appends).
   if (!prefetch_cache) pdl_wait();
 
   const int split = blockIdx.x;
@@ -283,6 +386,15 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const int chunk = split_chunk(len, splits);
   const int start = split * chunk;
   const int end = min(start + chunk, len);
+  // kRope: pos, the row appended (-1: none); fresh, that row if this block reads it (else -1); and
+  // whether this block appends it (the block that reads it, or split 0 if none does; head block 0).
+  int pos = -1;
+  if constexpr (kRope) {
+    const int p = rope.positions[b];
+    pos = p >= 0 && p < S ? p : -1;
+  }
+  const int fresh = kRope && pos >= start && pos < end ? pos : -1;
+  const bool append = kRope && pos >= 0 && hb == 0 && (pos < len ? fresh >= 0 : split == 0);
   const int64_t head_stride_ws = (int64_t)splits_cap * (D + 2);  // workspace: next head
   float* ws = workspace + ((int64_t)b * H + head0) * head_stride_ws + (int64_t)split * (D + 2);
 
@@ -299,7 +411,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   int base = start + warp * kTile;
   KVTile<D> buf0, buf1;
   if (prefetch_cache && start < end) {
-    const int old_end = min(end, len - 1);
+    const int old_end = kRope ? end : min(end, len - 1);  // kRope: row pos is patched, not reloaded
     load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
     load_tile<D>(buf1, k_rows, v_rows, base + kStep, old_end, g, t);
   }
@@ -309,6 +421,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   __shared__ __align__(16) float part_o[kHeadsPerBlock][D];
   __shared__ float part_m[kHeadsPerBlock], part_l[kHeadsPerBlock];
   __nv_bfloat16* out_rows = out + ((int64_t)b * H + head0) * D;
+
+  // kRope: the block's q heads rotated, and row pos's k and v (block-uniform condition: the
+  // prologue has barriers).
+  __shared__ __align__(16) __nv_bfloat16 sm_q[kRope ? kHeadsPerBlock : 1][kRope ? D : 8];
+  __shared__ __align__(16) __nv_bfloat16 sm_kv[2][kRope ? D : 8];
+  if constexpr (kRope) {
+    if (start < end || append) {
+      const int64_t cache_row = ((int64_t)kvh * S + max(pos, 0)) * D;
+      rope_prologue<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D,
+                       const_cast<__nv_bfloat16*>(k_cache) + (int64_t)b * k_bstride + cache_row,
+                       const_cast<__nv_bfloat16*>(v_cache) + (int64_t)b * v_bstride + cache_row, b,
+                       kvh, head0, heads, H, H / group, pos, fresh >= 0, append, sm_q, sm_kv);
+    }
+  }
 
   if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
     if (cluster_merge) {
@@ -326,15 +452,27 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     return;
   }
 
-  auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
+  auto holds_last = [&](int tile_base) {
+    return !kRope && tile_base <= len - 1 && len - 1 < tile_base + kTile;
+  };
   if (!prefetch_cache || holds_last(base)) load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
   if (!prefetch_cache || holds_last(base + kStep)) {
     load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
   }
+  auto patch = [&](KVTile<D>& tile, int tile_base) {
+    if constexpr (kRope) {
+      if (fresh >= 0) patch_fresh_row<D>(tile, fresh - tile_base, g, t, sm_kv);
+    }
+  };
 
   // Q^T as the B operand, head dim permuted like K's: lane holds head g's dims [32c + 8t, +8).
   uint4 qf[D / 32];
-  {
+  if constexpr (kRope) {
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      qf[c] = g < heads ? *reinterpret_cast<const uint4*>(&sm_q[g][32 * c + 8 * t]) : make_uint4(0, 0, 0, 0);
+    }
+  } else {
     const bool live = g < heads;
     const __nv_bfloat16* q_row = q + (int64_t)b * q_bstride + (int64_t)(head0 + (live ? g : 0)) * D;
 #pragma unroll
@@ -352,10 +490,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   // Consume one buffer while the other's loads are in flight, then refill it two tiles ahead
   // (written out twice rather than copied, so the buffers stay in registers).
   while (base < end) {
+    patch(buf0, base);
     attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
     base += kStep;
     if (base >= end) break;
     load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
+    patch(buf1, base);
     attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
     base += kStep;
     if (base >= end) break;
@@ -615,6 +755,14 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
                       at::Tensor& out, bool prefetch_cache) {
+  launch_decode_attention("decode_attention", q, k_cache, v_cache, lengths, scale, workspace, out,
+                          prefetch_cache, nullptr);
+}
+
+void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& lengths, double scale,
+                             at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
+                             const AttnRope* rope) {
   DX_CHECK_CUDA(q);
   DX_CHECK_CUDA(k_cache);
   DX_CHECK_CUDA(v_cache);
@@ -639,14 +787,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   DX_CHECK_DIM(workspace, 4);
 
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  DX_CHECK(D == 64 || D == 128, "decode_attention: head dim D = ", D,
+  DX_CHECK(D == 64 || D == 128, op, ": head dim D = ", D,
               " (q.size(2)) is not supported (supported: 64, 128)");
   DX_CHECK(k_cache.size(0) == B && k_cache.size(3) == D,
               "k_cache must have shape [B, Hkv, S, D] with B = ", B, " and D = ", D, " (from q), got ",
               k_cache.sizes());
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   DX_CHECK_SHAPE(v_cache, B, Hkv, S, D);
-  DX_CHECK(Hkv >= 1 && H % Hkv == 0, "decode_attention: the query heads H = ", H,
+  DX_CHECK(Hkv >= 1 && H % Hkv == 0, op, ": the query heads H = ", H,
               " (q.size(1)) must be a multiple of the KV heads Hkv = ", Hkv, " (k_cache.size(1))");
   DX_CHECK_SHAPE(lengths, B);
   DX_CHECK_SHAPE(out, B, H, D);
@@ -654,7 +802,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   DX_CHECK_CONTIGUOUS(out);
   DX_CHECK_CONTIGUOUS(workspace);
   DX_CHECK(S < (int64_t(1) << 30) && B <= 65535 && Hkv * ((H / Hkv + 7) / 8) <= 65535,
-              "decode_attention: sizes too large for the launch grid");
+              op, ": sizes too large for the launch grid");
 
   // q rows and the cache's [Hkv, S, D] must be dense; batch strides are free (0 included) but
   // must keep rows 16-byte aligned. Strides of size-1 dims are never used, so not checked.
@@ -685,7 +833,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               "workspace must have shape [B, H, splits, D + 2] = [", B, ", ", H, ", >= ", splits,
               ", ", D + 2, "], got ", workspace.sizes());
   DX_CHECK(workspace.size(2) >= splits, "workspace has room for ", workspace.size(2),
-              " splits (dim 2) but decode_attention uses ", splits,
+              " splits (dim 2) but ", op, " uses ", splits,
               " for this batch, KV heads and cache capacity; size it with decode_attention_splits(",
               B, ", ", Hkv, ", ", S, ", sm_count)");
   if (B == 0 || H == 0) return;
@@ -702,7 +850,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
     cudaError_t err = launch_pdl_clusters(
-        decode_attention_split_kernel<kD>, grid, dim3(kWarps * 32), 0, stream,
+        rope != nullptr ? decode_attention_split_kernel<kD, true> : decode_attention_split_kernel<kD, false>,
+        grid, dim3(kWarps * 32), 0, stream,
         in_cluster ? static_cast<unsigned>(splits) : 1u,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),
@@ -710,8 +859,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         workspace.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
         q.stride(0), k_cache.stride(0), v_cache.stride(0), static_cast<int>(H), group,
         head_blocks, static_cast<int>(S), static_cast<int>(splits),
-        static_cast<int>(workspace.size(2)), scale_log2, prefetch_cache, in_cluster);
-    DX_CHECK_LAUNCHED(err, "decode_attention (split)");
+        static_cast<int>(workspace.size(2)), scale_log2, prefetch_cache, in_cluster,
+        rope != nullptr ? *rope : AttnRope{});
+    DX_CHECK(err == cudaSuccess, "decodex::", op, " (split) kernel launch failed: ",
+             cudaGetErrorString(err));
     DX_CHECK_LAUNCH("decode_attention (split)");
     if (in_cluster) return;
 

@@ -82,6 +82,19 @@ inline void decode_attention(const T& q, const T& k_cache, const T& v_cache, con
   h.call(q, k_cache, v_cache, lengths, scale, workspace, out, prefetch_cache);
 }
 
+// rope_append then decode_attention in one kernel (see the schema); q, k, v are only read.
+inline void rope_append_attention(const T& q, const T& k, const T& v, const T& inv_freq,
+                                  const T& positions, T& k_cache, T& v_cache, const T& lengths,
+                                  double scale, T& workspace, T& out, bool prefetch_cache = false,
+                                  const OptT& rms_x = std::nullopt, OptD rms_eps = std::nullopt,
+                                  const OptT& bias = std::nullopt) {
+  static auto h = detail::op<void(const T&, const T&, const T&, const T&, const T&, T&, T&, const T&,
+                                  double, T&, T&, bool, const OptT&, OptD, const OptT&)>(
+      "decodex::rope_append_attention");
+  h.call(q, k, v, inv_freq, positions, k_cache, v_cache, lengths, scale, workspace, out,
+         prefetch_cache, rms_x, rms_eps, bias);
+}
+
 inline int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                        int64_t sm_count) {
   static auto h = detail::op<int64_t(int64_t, int64_t, int64_t, int64_t)>("decodex::decode_attention_splits");

@@ -687,20 +687,6 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
   return reinterpret_cast<const __nv_bfloat16*>(b.data_ptr());
 }
 
-// Whether the memory spans of two tensors intersect (bytes from the first to past the last element).
-static bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  auto span = [](const at::Tensor& t) {
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    return std::make_pair(lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()));
-  };
-  const auto [a0, a1] = span(a);
-  const auto [b0, b1] = span(b);
-  return a0 < b1 && b0 < a1;
-}
-
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
   DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",

@@ -25,6 +25,12 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
                       at::Tensor& out, bool prefetch_cache);
+void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& inv_freq, const at::Tensor& positions,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
+                           double scale, at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
+                           const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
+                           const std::optional<at::Tensor>& bias);
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count);
 void argmax(const at::Tensor& logits, at::Tensor& out);

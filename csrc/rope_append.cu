@@ -28,6 +28,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "decode_attention.h"
 #include "gemv.h"
 #include "ops.h"
 
@@ -85,14 +86,8 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
   // An item's 8 values at offset `at` of its head (rms_x / bias: scaled, biased and rounded to bf16
   // first, as gemv's rms_eps and bias epilogue stores its product).
   auto prepared = [&](const bf16x8& raw, int head, int at, float (&f)[8]) {
-    bf16x8_to_float(raw, f);
-    if (rms_x == nullptr && bias == nullptr) return;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float y = __fmul_rn(f[j], scale);
-      if (bias != nullptr) y = __fadd_rn(y, __bfloat162float(bias[static_cast<int64_t>(head) * D + at + j]));
-      f[j] = __bfloat162float(__float2bfloat16_rn(y));
-    }
+    scale_bias_round8(raw, rms_x != nullptr, scale,
+                      bias == nullptr ? nullptr : bias + static_cast<int64_t>(head) * D + at, f);
   };
 
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -281,6 +276,59 @@ void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
       gemv_options("gemv_rope_append", x, out, prefetch_weight, rms_eps);
   launch_gemv("gemv_rope_append", x, weight, bias_ptr, out, GemvEpilogue::kRopeAppend, options,
               rope);
+}
+
+}  // namespace decodex
+
+namespace decodex {
+
+// rope_append(q, k, v, ...) then decode_attention(q, ...) in one kernel (the split kernel with
+// rope_append's work in its prologue, csrc/decode_attention.cu), equal to the two ops bit for bit in
+// the caches and out; q, k and v are only read (the rotated q and k are not written back).
+void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& inv_freq, const at::Tensor& positions,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
+                           double scale, at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
+                           const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
+                           const std::optional<at::Tensor>& bias) {
+  DX_CHECK(q.dim() == 3, "rope_append_attention: q must be 3-D [B, H, D], got shape ", q.sizes());
+  DX_CHECK(k.dim() == 3, "rope_append_attention: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
+  DX_CHECK(k_cache.dim() == 4, "rope_append_attention: k_cache must be 4-D [B, Hkv, S, D], got shape ",
+           k_cache.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k_cache.size(2);
+  DX_CHECK(D == 64 || D == 128, "rope_append_attention: head dim D = ", D,
+           " (q.size(2)) is not supported (supported: 64, 128)");
+  DX_CHECK(H > 0 && Hkv > 0, "rope_append_attention: q and k need at least one head, got H = ", H,
+           ", Hkv = ", Hkv);
+  check_heads(q, "q", B, D, q);
+  check_heads(k, "k", B, D, q);
+  check_heads(v, "v", B, D, q);
+  DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
+  check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
+  check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
+  check_rope_inputs(inv_freq, positions, B, D, q);
+  const RmsX rx = check_rms_x("rope_append_attention", rms_x, rms_eps, B, q);
+  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
+  // Other blocks still read the inputs while a finished one writes out.
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    DX_CHECK(!spans_overlap(*t, out), "rope_append_attention: out must not overlap q, k or v");
+  }
+  DX_CHECK(!rms_x || !spans_overlap(*rms_x, out), "rope_append_attention: out must not overlap rms_x");
+
+  AttnRope rope;
+  rope.k = reinterpret_cast<const __nv_bfloat16*>(k.data_ptr());
+  rope.v = reinterpret_cast<const __nv_bfloat16*>(v.data_ptr());
+  rope.k_bstride = B == 1 ? 0 : k.stride(0);
+  rope.v_bstride = B == 1 ? 0 : v.stride(0);
+  rope.inv_freq = inv_freq.data_ptr<float>();
+  rope.positions = positions.data_ptr<int>();
+  rope.rms_x = static_cast<const __nv_bfloat16*>(rx.ptr);
+  rope.x_bstride = rx.stride;
+  rope.K = static_cast<int>(rx.K);
+  rope.rms_eps = rx.eps;
+  rope.bias = bias_ptr;
+  launch_decode_attention("rope_append_attention", q, k_cache, v_cache, lengths, scale, workspace,
+                          out, prefetch_cache, &rope);
 }
 
 }  // namespace decodex

@@ -505,6 +505,9 @@ class CudaGraphRunner(HostLoop):
         self.rms_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what each choice measured
         # graph size n > 8 -> step ms (dead rows) of the per-product plans and of all-cuBLAS
         self.plan_step_ms: dict[int, dict[str, float]] = {}
+        # Graphs of more than 8 rows whose qkv product is cuBLAS or the wide gemv: rope_append's work
+        # runs inside the attention kernel (rope_append_attention) rather than as its own kernel.
+        self.fuse_rope_attention = True
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 
@@ -584,25 +587,33 @@ class CudaGraphRunner(HostLoop):
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True)
 
-    def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache) -> None:
+    def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
-        a product (cuBLAS or the wide gemv) then rope_append."""
+        a product (cuBLAS or the wide gemv) then rope_append, or (append False, those two plans)
+        the product alone, its rows left for rope_append_attention."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         if self._plan(n, "qkv") in WIDE_PLANS:
-            q, k, v, _ = self._views(n)
             # With rms_eps, x is the residual: rope_append scales the product by 1/rms(x), then adds
             # the bias.
             scaled = rms_eps is not None
             self._linear(n, "qkv", x, layer.qkv_w, None if scaled else layer.qkv_b, qkv)
-            torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
-                                          rms_x=x if scaled else None, rms_eps=rms_eps,
-                                          bias=layer.qkv_b if scaled else None)
+            if append:
+                q, k, v, _ = self._views(n)
+                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
+                                              **self._rope_scale(x, rms_eps, layer))
         else:
             for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
                                                    qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
                                                    rms_eps=rms_eps)
+
+    @staticmethod
+    def _rope_scale(x, rms_eps, layer) -> dict:
+        """rope_append's rms_x / rms_eps / bias after a wide product of x: with rms_eps, x is the
+        residual, and the rows are scaled by 1/rms(x), then the bias (left out of the product) added."""
+        scaled = rms_eps is not None
+        return dict(rms_x=x if scaled else None, rms_eps=rms_eps, bias=layer.qkv_b if scaled else None)
 
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
@@ -623,17 +634,25 @@ class CudaGraphRunner(HostLoop):
         tokens, positions, lengths = self.tokens[:n], self.positions[:n], self.lengths[:n]
         attn, act = self.attn[:n], self.act[:n]
         logits = self.logits[:n]
-        q, _, _, ws = self._views(n)
+        q, k, v, ws = self._views(n)
         attn3 = attn.view(n, self.H, self.D)
         self._pending_delta = False  # a cuBLAS product in delta not yet added to the residual
         torch.index_select(m.embed, 0, tokens, out=self.residual[:n])  # [n, Hd]
         for i, layer in enumerate(m.layers):
             k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
             x, rms_eps = self._normed(n, "qkv")  # the input norm: folded into qkv_w
-            self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache)  # q, k rotated; k, v appended
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
-            # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.
-            ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
+            if self.fuse_rope_attention and self._plan(n, "qkv") in WIDE_PLANS:
+                # The product alone; the attention kernel does rope_append's work first.
+                # prefetch_cache: the product writes no cache row, lengths nor positions.
+                self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache, append=False)
+                ops.rope_append_attention(q, k, v, m.inv_freq, positions, k_cache, v_cache, lengths,
+                                          self.scale, ws, attn3, prefetch_cache=True,
+                                          **self._rope_scale(x, rms_eps, layer))
+            else:
+                self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache)  # q, k rotated; k, v appended
+                # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.
+                ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
             self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None))
             x, rms_eps = self._normed(n, "gate_up")  # the post-attention norm: folded into gate_up_w
             self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)

@@ -17,7 +17,8 @@ if _ext.available():
         return None
 
     for _name in ("gemv", "gemv_silu_mul", "gemv_rope_append", "rms_norm", "fused_add_rms_norm",
-                  "rope_append", "silu_mul", "decode_attention", "argmax", "sample", "advance_positions"):
+                  "rope_append", "silu_mul", "decode_attention", "rope_append_attention", "argmax", "sample",
+                  "advance_positions"):
         torch.library.register_fake(f"decodex::{_name}")(_no_output)
 
 

@@ -201,6 +201,14 @@ def decode_attention(
     return out.to(q.dtype)
 
 
+def rope_append_attention(q, k, v, inv_freq, positions, k_cache, v_cache, lengths, scale: float,
+                          rms_x=None, rms_eps: float | None = None, bias=None) -> torch.Tensor:
+    """rope_append (writes the caches) then decode_attention with the rotated q; returns out
+    [B, H, D]. q, k and v are not changed."""
+    q_rot, _ = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias)
+    return decode_attention(q_rot, k_cache, v_cache, lengths, scale)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Prefill attention: q [T, H, D] are the last T of the L positions in k, v [L, Hkv, D];
     query i (position L - T + i) sees keys 0 .. L - T + i."""
