@@ -317,13 +317,39 @@ __device__ __forceinline__ float add_squares8(const bf16x8& x, float sumsq) {
 }
 
 // This thread's share of the sum of squares of row[0, K) (K a multiple of 8, 16-byte aligned): the
-// 8-element groups threadIdx.x, threadIdx.x + blockDim.x, ... (block_sum adds the shares up).
-__device__ __forceinline__ float thread_sum_squares(const __nv_bfloat16* row, int K) {
-  float ss = 0.f;
-  for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
-    ss = add_squares8(reinterpret_cast<const bf16x8*>(row)[j], ss);
+// 8-element groups threadIdx.x, threadIdx.x + blockDim.x, ... in that order (block_sum adds the
+// shares up), loaded kSquaresBatch at a time so that their round trips overlap. load_squares issues
+// the first batch (a kernel may put other loads behind it before it needs the sum); sum_squares adds
+// it and the rest. Absent groups are zeros, which add nothing.
+constexpr int kSquaresBatch = 4;
+struct SquaresLoads {
+  bf16x8 v[kSquaresBatch];
+};
+__device__ __forceinline__ void load_squares_batch(const __nv_bfloat16* row, int K, int j0,
+                                                   SquaresLoads& l) {
+#pragma unroll
+  for (int u = 0; u < kSquaresBatch; ++u) {
+    const int j = j0 + u * static_cast<int>(blockDim.x);
+    l.v[u] = j < K / 8 ? reinterpret_cast<const bf16x8*>(row)[j] : bf16x8{};
   }
-  return ss;
+}
+__device__ __forceinline__ void load_squares(const __nv_bfloat16* row, int K, SquaresLoads& l) {
+  load_squares_batch(row, K, threadIdx.x, l);
+}
+__device__ __forceinline__ float sum_squares(const __nv_bfloat16* row, int K, SquaresLoads l) {
+  float ss = 0.f;
+  for (int j0 = threadIdx.x;;) {
+#pragma unroll
+    for (int u = 0; u < kSquaresBatch; ++u) ss = add_squares8(l.v[u], ss);
+    j0 += kSquaresBatch * blockDim.x;
+    if (j0 >= K / 8) return ss;
+    load_squares_batch(row, K, j0, l);
+  }
+}
+__device__ __forceinline__ float thread_sum_squares(const __nv_bfloat16* row, int K) {
+  SquaresLoads l;
+  load_squares(row, K, l);
+  return sum_squares(row, K, l);
 }
 
 // Reductions over a warp or a whole block with an associative op (Sum, Max below). A block

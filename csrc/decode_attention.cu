@@ -258,41 +258,64 @@ __device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlo
 }
 
 // rope_append_attention's prologue (kRope): rope_append's work for what this block reads or writes,
-// done by the block itself after the wait, with rope_append's arithmetic (so the op equals
-// rope_append then decode_attention bit for bit). Work items are 8-pair slices (8 dims of each half
-// of a head) of the block's query heads and, where the block reads row pos (kv_fresh) or appends it
-// (append), of k and v: loaded first, then (live rows) scaled by 1/rms(rms_x row), biased and
-// rounded to bf16 (scale_bias_round8), q and k rotated. q goes to sm_q, k and v to sm_kv (whence the
-// tile holding row pos is patched), and the appending block writes them to the caches' row pos. A
-// row with no position (pos < 0) keeps its q as it is, as rope_append leaves it.
+// done by the block itself, with rope_append's arithmetic (so the op equals rope_append then
+// decode_attention bit for bit). Work items are 8-pair slices (8 dims of each half of a head) of the
+// block's query heads and, where the block reads row pos or appends it (kv), of k
+// and v. rope_load issues the item's loads and the first of the rms_x row's (before the cache's, so
+// they are not queued behind them); rope_prologue then (live rows) scales by 1/rms(rms_x row), adds
+// the bias and rounds to bf16 (scale_bias_round8), rotates q and k, and puts q in sm_q and k, v in
+// sm_kv (whence the tile holding row pos is patched); the appending block writes them to the
+// caches' row pos. A row with no position (pos < 0) keeps its q as it is, as rope_append leaves it.
+struct RopeLoads {
+  bf16x8 a1 = {}, a2 = {};  // the item's two halves
+  SquaresLoads sq;          // the first of the rms_x row's loads
+};
+
+// Item it of a block: a q head (which = 0, head hj of the block) or the k (1) or v (2) head kvh, and
+// its first pair c0; items = q items + (kv ? 2 * D / 16 : 0).
 template <int D>
-__device__ __forceinline__ void rope_prologue(const AttnRope& rope, const __nv_bfloat16* q_row,
+struct RopeItem {
+  int which, hj, c0, items;
+  __device__ __forceinline__ RopeItem(int it, int heads, bool kv) {
+    constexpr int kSlices = D / 16;
+    const int q_items = heads * kSlices;
+    items = q_items + (kv ? 2 * kSlices : 0);
+    which = it < q_items ? 0 : (it - q_items) / kSlices + 1;
+    hj = it < q_items ? it / kSlices : 0;
+    c0 = (it % kSlices) * 8;
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void rope_load(const AttnRope& rope, const __nv_bfloat16* q_row, int b,
+                                          int kvh, int heads, bool kv, RopeLoads& l) {
+  const RopeItem<D> item(threadIdx.x, heads, kv);  // kWarps * 32 >= 8 * 8 + 2 * 8 items at D = 128
+  const __nv_bfloat16* src = item.which == 0 ? q_row + (int64_t)item.hj * D
+                             : item.which == 1 ? rope.k + (int64_t)b * rope.k_bstride + (int64_t)kvh * D
+                                               : rope.v + (int64_t)b * rope.v_bstride + (int64_t)kvh * D;
+  if (static_cast<int>(threadIdx.x) < item.items) {
+    l.a1 = *reinterpret_cast<const bf16x8*>(src + item.c0);
+    l.a2 = *reinterpret_cast<const bf16x8*>(src + D / 2 + item.c0);
+  }
+  if (rope.rms_x != nullptr) load_squares(rope.rms_x + (int64_t)b * rope.x_bstride, rope.K, l.sq);
+}
+
+template <int D>
+__device__ __forceinline__ void rope_prologue(const AttnRope& rope, const RopeLoads& l,
                                               __nv_bfloat16* k_cache_row, __nv_bfloat16* v_cache_row,
                                               int b, int kvh, int head0, int heads, int H, int Hkv,
-                                              int pos, bool kv_fresh, bool append,
+                                              int pos, bool kv, bool append,
                                               __nv_bfloat16 (&sm_q)[kHeadsPerBlock][D],
                                               __nv_bfloat16 (&sm_kv)[2][D]) {
   __shared__ float cs[D];  // cos [D/2], then sin [D/2]
   __shared__ float scratch[32];
-  constexpr int kSlices = D / 16;  // 8-pair slices of a head
-  const int q_items = heads * kSlices;
-  const int items = q_items + (kv_fresh || append ? 2 * kSlices : 0);
-  const int it = threadIdx.x;  // kWarps * 32 >= 8 * 8 + 2 * 8 items at D = 128
-  // Item it: a q head, or the k or v head kvh (which = 0, 1, 2), and its first pair c0.
-  const int which = it < q_items ? 0 : (it - q_items) / kSlices + 1;
-  const int hj = it < q_items ? it / kSlices : 0, c0 = (it % kSlices) * 8;
-  const __nv_bfloat16* src = which == 0 ? q_row + (int64_t)hj * D
-                             : which == 1 ? rope.k + (int64_t)b * rope.k_bstride + (int64_t)kvh * D
-                                          : rope.v + (int64_t)b * rope.v_bstride + (int64_t)kvh * D;
-  const int bias_head = which == 0 ? head0 + hj : which == 1 ? H + kvh : H + Hkv + kvh;
-  bf16x8 a1 = {}, a2 = {};
-  if (it < items) {  // loaded before the sum of squares, so the round trips overlap
-    a1 = *reinterpret_cast<const bf16x8*>(src + c0);
-    a2 = *reinterpret_cast<const bf16x8*>(src + D / 2 + c0);
-  }
+  const RopeItem<D> item(threadIdx.x, heads, kv);
   const bool scaled = rope.rms_x != nullptr;
-  const float ss = scaled ? thread_sum_squares(rope.rms_x + (int64_t)b * rope.x_bstride, rope.K) : 0.f;
-  const float scale = scaled ? rms_inv(block_sum(ss, scratch), rope.K, rope.rms_eps) : 1.f;
+  const float scale =
+      scaled ? rms_inv(block_sum(sum_squares(rope.rms_x + (int64_t)b * rope.x_bstride, rope.K, l.sq),
+                                 scratch),
+                       rope.K, rope.rms_eps)
+             : 1.f;
   if (pos >= 0) {
     for (int i = threadIdx.x; i < D / 2; i += kWarps * 32) {
       float c, s;
@@ -302,14 +325,16 @@ __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const __nv_b
     }
   }
   __syncthreads();
-  if (it < items) {
-    bf16x8 r1 = a1, r2 = a2;  // q of a row with no position: as it is
+  if (static_cast<int>(threadIdx.x) < item.items) {
+    const int c0 = item.c0;
+    bf16x8 r1 = l.a1, r2 = l.a2;  // q of a row with no position: as it is
     if (pos >= 0) {
+      const int bias_head = item.which == 0 ? head0 + item.hj : item.which == 1 ? H + kvh : H + Hkv + kvh;
       const __nv_bfloat16* bias = rope.bias == nullptr ? nullptr : rope.bias + (int64_t)bias_head * D;
       float x1[8], x2[8];
-      scale_bias_round8(a1, scaled, scale, bias == nullptr ? nullptr : bias + c0, x1);
-      scale_bias_round8(a2, scaled, scale, bias == nullptr ? nullptr : bias + D / 2 + c0, x2);
-      if (which < 2) {
+      scale_bias_round8(l.a1, scaled, scale, bias == nullptr ? nullptr : bias + c0, x1);
+      scale_bias_round8(l.a2, scaled, scale, bias == nullptr ? nullptr : bias + D / 2 + c0, x2);
+      if (item.which < 2) {
         float o1[8], o2[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) rope_rotate(x1[j], x2[j], cs[c0 + j], cs[D / 2 + c0 + j], o1[j], o2[j]);
@@ -320,11 +345,11 @@ __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const __nv_b
         r2 = float_to_bf16x8(x2);
       }
     }
-    __nv_bfloat16* dst = which == 0 ? sm_q[hj] : sm_kv[which - 1];
+    __nv_bfloat16* dst = item.which == 0 ? sm_q[item.hj] : sm_kv[item.which - 1];
     *reinterpret_cast<bf16x8*>(dst + c0) = r1;
     *reinterpret_cast<bf16x8*>(dst + D / 2 + c0) = r2;
-    if (which > 0 && append) {
-      __nv_bfloat16* row = which == 1 ? k_cache_row : v_cache_row;
+    if (item.which > 0 && append) {
+      __nv_bfloat16* row = item.which == 1 ? k_cache_row : v_cache_row;
       *reinterpret_cast<bf16x8*>(row + c0) = r1;
       *reinterpret_cast<bf16x8*>(row + D / 2 + c0) = r2;
     }
@@ -373,9 +398,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache, bool cluster_merge,
     const AttnRope rope) {
   // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
-  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither); kRope: also
-  // positions and every cache row (the kernel ahead writes no cache row; this one appends).
-  if (!prefetch_cache) pdl_wait();
+  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither). kRope waits
+  // first: its prologue's loads (of what the kernel ahead wrote) go out before the cache's.
+  if (!prefetch_cache || kRope) pdl_wait();
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
@@ -410,6 +435,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   constexpr int kStep = kWarps * kTile;
   int base = start + warp * kTile;
   KVTile<D> buf0, buf1;
+  RopeLoads rope_loads;
+  const bool rope_work = kRope && (start < end || append);  // block-uniform (the prologue syncs)
+  if constexpr (kRope) {
+    if (rope_work) {
+      rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads,
+                   fresh >= 0 || append, rope_loads);
+    }
+  }
   if (prefetch_cache && start < end) {
     const int old_end = kRope ? end : min(end, len - 1);  // kRope: row pos is patched, not reloaded
     load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
@@ -427,12 +460,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   __shared__ __align__(16) __nv_bfloat16 sm_q[kRope ? kHeadsPerBlock : 1][kRope ? D : 8];
   __shared__ __align__(16) __nv_bfloat16 sm_kv[2][kRope ? D : 8];
   if constexpr (kRope) {
-    if (start < end || append) {
+    if (rope_work) {
       const int64_t cache_row = ((int64_t)kvh * S + max(pos, 0)) * D;
-      rope_prologue<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D,
+      rope_prologue<D>(rope, rope_loads,
                        const_cast<__nv_bfloat16*>(k_cache) + (int64_t)b * k_bstride + cache_row,
                        const_cast<__nv_bfloat16*>(v_cache) + (int64_t)b * v_bstride + cache_row, b,
-                       kvh, head0, heads, H, H / group, pos, fresh >= 0, append, sm_q, sm_kv);
+                       kvh, head0, heads, H, H / group, pos, fresh >= 0 || append, append, sm_q, sm_kv);
     }
   }
 

@@ -168,8 +168,9 @@ def test_cuda_graph_positions_advance_on_device():
 
 @pytest.mark.gpu
 def test_rejects():
-    t = _inputs([10, 20], [9, 19], 12, 2, 128, 64, with_rms=False, with_bias=False)
-    ws = dx_ops.attention_workspace(2, 12, 2, 128, 64, "cuda")
+    t = _inputs([10, 20], [9, 19], 12, 2, 128, 2048, with_rms=False, with_bias=False)
+    ws = dx_ops.attention_workspace(2, 12, 2, 128, 2048, "cuda")  # 8 splits
+    assert ws.shape[2] > 1
     f = torch.ops.decodex.rope_append_attention
 
     def call(**kw):
