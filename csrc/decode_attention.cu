@@ -261,8 +261,8 @@ __device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlo
 // done by the block itself, with rope_append's arithmetic (so the op equals rope_append then
 // decode_attention bit for bit). Work items are 8-pair slices (8 dims of each half of a head) of the
 // block's query heads and, where the block reads row pos or appends it (kv), of k
-// and v. rope_load issues the item's loads and the first of the rms_x row's (before the cache's, so
-// they are not queued behind them); rope_prologue then (live rows) scales by 1/rms(rms_x row), adds
+// and v. rope_load issues the item's loads and the first of the rms_x row's; rope_prologue then
+// (live rows) scales by 1/rms(rms_x row), adds
 // the bias and rounds to bf16 (scale_bias_round8), rotates q and k, and puts q in sm_q and k, v in
 // sm_kv (whence the tile holding row pos is patched); the appending block writes them to the
 // caches' row pos. A row with no position (pos < 0) keeps its q as it is, as rope_append leaves it.
@@ -398,9 +398,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     int S, int splits, int splits_cap, float scale_log2, bool prefetch_cache, bool cluster_merge,
     const AttnRope rope) {
   // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
-  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither). kRope waits
-  // first: its prologue's loads (of what the kernel ahead wrote) go out before the cache's.
-  if (!prefetch_cache || kRope) pdl_wait();
+  // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither); kRope: also
+  // positions and every cache row (the kernel ahead writes no cache row; this one appends).
+  if (!prefetch_cache) pdl_wait();
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / head_blocks, hb = blockIdx.y % head_blocks;
@@ -435,14 +435,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   constexpr int kStep = kWarps * kTile;
   int base = start + warp * kTile;
   KVTile<D> buf0, buf1;
-  RopeLoads rope_loads;
-  const bool rope_work = kRope && (start < end || append);  // block-uniform (the prologue syncs)
-  if constexpr (kRope) {
-    if (rope_work) {
-      rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads,
-                   fresh >= 0 || append, rope_loads);
-    }
-  }
   if (prefetch_cache && start < end) {
     const int old_end = kRope ? end : min(end, len - 1);  // kRope: row pos is patched, not reloaded
     load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
@@ -459,8 +451,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   // prologue has barriers).
   __shared__ __align__(16) __nv_bfloat16 sm_q[kRope ? kHeadsPerBlock : 1][kRope ? D : 8];
   __shared__ __align__(16) __nv_bfloat16 sm_kv[2][kRope ? D : 8];
+  // (The prologue's loads follow the cache's first tiles: measured faster in the step than the
+  // other order, which must wait before the tiles; bench/RESULTS.md, session 11.)
   if constexpr (kRope) {
-    if (rope_work) {
+    if (start < end || append) {  // block-uniform (the prologue syncs)
+      RopeLoads rope_loads;
+      rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads,
+                   fresh >= 0 || append, rope_loads);
       const int64_t cache_row = ((int64_t)kvh * S + max(pos, 0)) * D;
       rope_prologue<D>(rope, rope_loads,
                        const_cast<__nv_bfloat16*>(k_cache) + (int64_t)b * k_bstride + cache_row,

@@ -608,6 +608,14 @@ class CudaGraphRunner(HostLoop):
                                                    qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
                                                    rms_eps=rms_eps)
 
+    def _fused_rope_attention(self, n: int) -> bool:
+        """Whether rope_append's work runs inside the attention kernel (rope_append_attention) in a
+        graph of n rows: after a wide qkv product (cuBLAS or the wide gemv), where the attention has
+        at least 2 splits per (row, KV head). Measured in the step (bench/RESULTS.md, session 11):
+        1.5-4% faster at 16-32 rows and 1.5B at 64 (2 splits); 1.7% slower at 7B, 64 rows (1 split)."""
+        return (self.fuse_rope_attention and self._plan(n, "qkv") in WIDE_PLANS
+                and self._splits[n] >= 2)
+
     @staticmethod
     def _rope_scale(x, rms_eps, layer) -> dict:
         """rope_append's rms_x / rms_eps / bias after a wide product of x: with rms_eps, x is the
@@ -642,7 +650,7 @@ class CudaGraphRunner(HostLoop):
             k_cache, v_cache = self.cache.k[i][:n], self.cache.v[i][:n]  # [n, Hkv, S, D]
             x, rms_eps = self._normed(n, "qkv")  # the input norm: folded into qkv_w
             # q stays a strided view into qkv (row stride (H+2Hkv)*D): decode_attention reads it so.
-            if self.fuse_rope_attention and self._plan(n, "qkv") in WIDE_PLANS:
+            if self._fused_rope_attention(n):
                 # The product alone; the attention kernel does rope_append's work first.
                 # prefetch_cache: the product writes no cache row, lengths nor positions.
                 self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache, append=False)
