@@ -26,6 +26,10 @@ of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one deco
 rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
 are a product then rope_append / silu_mul, which scale it by 1/rms(residual). The plans so chosen
 are then kept only if the whole step replays faster with them than with every product on cuBLAS.
+After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the bias, RoPE and the
+cache append) runs inside the attention kernel, rope_append_attention, where the attention has at
+least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel before
+decode_attention (_fused_rope_attention).
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
