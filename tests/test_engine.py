@@ -502,11 +502,13 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("plan", engine.PLANS)
-def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan):
+def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, fuse):
     """Each way of running the products above 8 rows, forced for every product: cuBLAS or the wide
-    gemv over all rows, then rope_append / silu_mul; and the fused decodex kernels over 8-row chunks
-    (the last chunk partly dead rows)."""
+    gemv over all rows, then rope_append / silu_mul (rope_append inside the attention kernel,
+    rope_append_attention, with fuse: the cache has 3 splits); and the fused decodex kernels over
+    8-row chunks (the last chunk partly dead rows)."""
     m = models("qwen2-d128")
 
     def forced(self, n):
@@ -517,11 +519,14 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan):
     # and no whole-step check, which could put the products back on cuBLAS
     monkeypatch.setattr(engine.CudaGraphRunner, "_capture_checking_plans",
                         engine.CudaGraphRunner._capture_as_chosen)
-    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=128)
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=300)
+    runner.fuse_rope_attention = fuse
+    assert runner._splits[16] >= 2
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 60, (11,), generator=g)]
-    run_and_check(f"plan {plan} batch 11", m, runner, prompts, steps=8)
+    run_and_check(f"plan {plan} batch 11 fuse {fuse}", m, runner, prompts, steps=8)
+    assert runner._fused_rope_attention(16) == (fuse and plan in engine.WIDE_PLANS)
 
 
 @pytest.mark.gpu
