@@ -456,13 +456,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   if constexpr (kRope) {
     if (start < end || append) {  // block-uniform (the prologue syncs)
       RopeLoads rope_loads;
-      rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads,
-                   fresh >= 0 || append, rope_loads);
+      const bool kv = fresh >= 0 || append;  // the block needs row pos's k and v
+      rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads, kv,
+                   rope_loads);
       const int64_t cache_row = ((int64_t)kvh * S + max(pos, 0)) * D;
       rope_prologue<D>(rope, rope_loads,
                        const_cast<__nv_bfloat16*>(k_cache) + (int64_t)b * k_bstride + cache_row,
                        const_cast<__nv_bfloat16*>(v_cache) + (int64_t)b * v_bstride + cache_row, b,
-                       kvh, head0, heads, H, H / group, pos, fresh >= 0 || append, append, sm_q, sm_kv);
+                       kvh, head0, heads, H, H / group, pos, kv, append, sm_q, sm_kv);
     }
   }
 

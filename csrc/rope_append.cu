@@ -182,6 +182,48 @@ void check_rope_inputs(const at::Tensor& inv_freq, const at::Tensor& positions, 
   DX_CHECK_CONTIGUOUS(positions);
 }
 
+// rope_append's arguments, checked for `op` (rope_append and rope_append_attention): q [B, H, D],
+// k and v [B, Hkv, D] (row views of a q|k|v product), the caches [B, Hkv, S, D], inv_freq [D/2],
+// positions [B], rms_x / rms_eps and bias [(H + 2 Hkv) D]. attention: D must be a head dim the
+// attention kernel takes (64, 128), else any multiple of 16 up to 1024.
+struct RopeShapes {
+  int64_t B, H, D, Hkv, S;
+  RmsX rx;
+  const __nv_bfloat16* bias;
+};
+RopeShapes check_rope_append(const char* op, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& inv_freq,
+                             const at::Tensor& positions, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const std::optional<at::Tensor>& rms_x,
+                             std::optional<double> rms_eps, const std::optional<at::Tensor>& bias,
+                             bool attention) {
+  DX_CHECK(q.dim() == 3, op, ": q must be 3-D [B, H, D], got shape ", q.sizes());
+  DX_CHECK(k.dim() == 3, op, ": k must be 3-D [B, Hkv, D], got shape ", k.sizes());
+  DX_CHECK(k_cache.dim() == 4, op, ": k_cache must be 4-D [B, Hkv, S, D], got shape ", k_cache.sizes());
+  RopeShapes a;
+  a.B = q.size(0), a.H = q.size(1), a.D = q.size(2), a.Hkv = k.size(1), a.S = k_cache.size(2);
+  const int64_t B = a.B, H = a.H, D = a.D, Hkv = a.Hkv, S = a.S;
+  if (attention) {
+    DX_CHECK(D == 64 || D == 128, op, ": head dim D = ", D,
+             " (q.size(2)) is not supported (supported: 64, 128)");
+  } else {
+    DX_CHECK(D > 0 && D % 16 == 0 && D <= 1024, op,
+             ": head dim D = q.size(2) must be a multiple of 16 in [16, 1024], got ", D);
+  }
+  DX_CHECK(H > 0 && Hkv > 0, op, ": q and k need at least one head, got H = ", H, ", Hkv = ", Hkv);
+  check_heads(q, "q", B, D, q);
+  check_heads(k, "k", B, D, q);
+  check_heads(v, "v", B, D, q);
+  DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
+  check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
+  check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
+  check_rope_inputs(inv_freq, positions, B, D, q);
+  DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16), op, ": sizes too large");
+  a.rx = check_rms_x(op, rms_x, rms_eps, B, q);
+  a.bias = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
+  return a;
+}
+
 }  // namespace
 
 // q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
@@ -190,26 +232,11 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
                  const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                  const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
                  const std::optional<at::Tensor>& bias) {
-  DX_CHECK(q.dim() == 3, "rope_append: q must be 3-D [B, H, D], got shape ", q.sizes());
-  DX_CHECK(k.dim() == 3, "rope_append: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
-  DX_CHECK(k_cache.dim() == 4, "rope_append: k_cache must be 4-D [B, Hkv, S, D], got shape ",
-              k_cache.sizes());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k_cache.size(2);
-  DX_CHECK(D > 0 && D % 16 == 0 && D <= 1024,
-              "rope_append: head dim D = q.size(2) must be a multiple of 16 in [16, 1024], got ", D);
-  DX_CHECK(H > 0 && Hkv > 0, "rope_append: q and k need at least one head, got H = ", H,
-              ", Hkv = ", Hkv);
-  check_heads(q, "q", B, D, q);
-  check_heads(k, "k", B, D, q);
-  check_heads(v, "v", B, D, q);
-  DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
-  check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
-  check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
-  check_rope_inputs(inv_freq, positions, B, D, q);
-  DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16),
-              "rope_append: sizes too large");
-  const RmsX rx = check_rms_x("rope_append", rms_x, rms_eps, B, q);
-  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
+  const RopeShapes a = check_rope_append("rope_append", q, k, v, inv_freq, positions, k_cache,
+                                         v_cache, rms_x, rms_eps, bias, false);
+  const int64_t B = a.B, H = a.H, D = a.D, Hkv = a.Hkv, S = a.S;
+  const RmsX& rx = a.rx;
+  const __nv_bfloat16* bias_ptr = a.bias;
   if (B == 0 || S == 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -291,24 +318,9 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            double scale, at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
                            const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
                            const std::optional<at::Tensor>& bias) {
-  DX_CHECK(q.dim() == 3, "rope_append_attention: q must be 3-D [B, H, D], got shape ", q.sizes());
-  DX_CHECK(k.dim() == 3, "rope_append_attention: k must be 3-D [B, Hkv, D], got shape ", k.sizes());
-  DX_CHECK(k_cache.dim() == 4, "rope_append_attention: k_cache must be 4-D [B, Hkv, S, D], got shape ",
-           k_cache.sizes());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k_cache.size(2);
-  DX_CHECK(D == 64 || D == 128, "rope_append_attention: head dim D = ", D,
-           " (q.size(2)) is not supported (supported: 64, 128)");
-  DX_CHECK(H > 0 && Hkv > 0, "rope_append_attention: q and k need at least one head, got H = ", H,
-           ", Hkv = ", Hkv);
-  check_heads(q, "q", B, D, q);
-  check_heads(k, "k", B, D, q);
-  check_heads(v, "v", B, D, q);
-  DX_CHECK(v.size(1) == Hkv, "v must have Hkv = ", Hkv, " heads like k, got shape ", v.sizes());
-  check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
-  check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
-  check_rope_inputs(inv_freq, positions, B, D, q);
-  const RmsX rx = check_rms_x("rope_append_attention", rms_x, rms_eps, B, q);
-  const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
+  const RopeShapes a = check_rope_append("rope_append_attention", q, k, v, inv_freq, positions,
+                                         k_cache, v_cache, rms_x, rms_eps, bias, true);
+  const int64_t B = a.B;
   // Other blocks still read the inputs while a finished one writes out.
   for (const at::Tensor* t : {&q, &k, &v}) {
     DX_CHECK(!spans_overlap(*t, out), "rope_append_attention: out must not overlap q, k or v");
@@ -322,11 +334,11 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   rope.v_bstride = B == 1 ? 0 : v.stride(0);
   rope.inv_freq = inv_freq.data_ptr<float>();
   rope.positions = positions.data_ptr<int>();
-  rope.rms_x = static_cast<const __nv_bfloat16*>(rx.ptr);
-  rope.x_bstride = rx.stride;
-  rope.K = static_cast<int>(rx.K);
-  rope.rms_eps = rx.eps;
-  rope.bias = bias_ptr;
+  rope.rms_x = static_cast<const __nv_bfloat16*>(a.rx.ptr);
+  rope.x_bstride = a.rx.stride;
+  rope.K = static_cast<int>(a.rx.K);
+  rope.rms_eps = a.rx.eps;
+  rope.bias = a.bias;
   launch_decode_attention("rope_append_attention", q, k_cache, v_cache, lengths, scale, workspace,
                           out, prefetch_cache, &rope);
 }
