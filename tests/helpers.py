@@ -128,3 +128,23 @@ def norm_inputs(M: int, K: int, device="cuda"):
     x = (torch.randn(M, K, device=device) * scale).to(torch.bfloat16)
     w = (1.0 + 0.2 * torch.randn(K, device=device)).to(torch.bfloat16)
     return x, w
+
+
+def qkv_views(B, H, Hkv, D, device="cuda"):
+    """q, k, v as views into one merged random bf16 [B, (H + 2 Hkv) D] buffer (the QKV product's
+    output); returns (qkv, q, k, v)."""
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, device=device).to(torch.bfloat16)
+    q = qkv[:, : H * D].view(B, H, D)
+    k = qkv[:, H * D : (H + Hkv) * D].view(B, Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].view(B, Hkv, D)
+    return qkv, q, k, v
+
+
+# Where decode attention's splits merge: "cluster" (at most 8 splits on sm_90: inside the split
+# kernel's cluster) or "combine" (DECODEX_ATTN_CLUSTER=0: the workspace and the combine kernel, which
+# is also what more than 8 splits always take).
+MERGES = ["cluster", "combine"]
+
+
+def set_merge(monkeypatch, merge):
+    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "1" if merge == "cluster" else "0")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import MERGES, capture_graph, set_merge
 
 # (H, Hkv): Qwen2.5-1.5B (group 6), plain multi-head, Qwen2.5-7B (group 7), group 4 on one KV head.
 HEADS = [(12, 2), (8, 8), (28, 4), (4, 1)]
@@ -143,16 +143,6 @@ def test_batch_one_many_splits(length, H, Hkv, D):
     check_lengths([length], H, Hkv, D, LONG + 5)
 
 
-# Where the splits merge: "cluster" (at most 8 splits on sm_90: inside the split kernel's cluster)
-# or "combine" (DECODEX_ATTN_CLUSTER=0: the workspace and the combine kernel, which is also what
-# more than 8 splits always take).
-MERGES = ["cluster", "combine"]
-
-
-def _merge(monkeypatch, merge):
-    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "1" if merge == "cluster" else "0")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("D", HEAD_DIMS)
@@ -162,7 +152,7 @@ def test_short_caches_at_batch_one(monkeypatch, merge, S, splits, H, Hkv, D):
     """Short caches at batch 1: 8 splits (at most 2 * 8 minimum-length splits take 8, merged in a
     cluster or by the combine on one warp) and 17 (the combine on two warps), with lengths that
     leave trailing splits empty, length 0, and groups of more than 8 heads."""
-    _merge(monkeypatch, merge)
+    set_merge(monkeypatch, merge)
     assert _splits(1, Hkv, S) == splits
     for lengths in ([0], [1], [127], [129], [S // 2 + 3], [S]):
         check_lengths(lengths, H, Hkv, D, S)
@@ -179,7 +169,7 @@ def test_every_cluster_size(monkeypatch, merge, B, splits, H, Hkv, D):
     S = 1000
     if torch.cuda.get_device_properties("cuda").multi_processor_count != 132:
         pytest.skip("the split counts are those of a 132-SM GPU")
-    _merge(monkeypatch, merge)
+    set_merge(monkeypatch, merge)
     assert _splits(B, Hkv, S) == splits
     edge = [0, 1, 127, 128, 129, S]
     lengths = [edge[b % len(edge)] if b < 2 * len(edge) else (53 * b) % (S + 1) for b in range(B)]
@@ -195,9 +185,9 @@ def test_cluster_merge_close_to_combine(monkeypatch, B):
     lengths = [[S, 1, 0, S // 3][b % 4] if b < 4 else (71 * b) % (S + 1) for b in range(B)]
     q, k, v = make_inputs(lengths, H, Hkv, D, S)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    _merge(monkeypatch, "cluster")
+    set_merge(monkeypatch, "cluster")
     a = run_op(q, k, v, lens, 0.088)
-    _merge(monkeypatch, "combine")
+    set_merge(monkeypatch, "combine")
     b = run_op(q, k, v, lens, 0.088)
     torch.testing.assert_close(a.float(), b.float(), atol=8e-3, rtol=8e-3)
 

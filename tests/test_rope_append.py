@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import capture_graph, qkv_views
 
 # (H, Hkv, D): Qwen2.5-1.5B, Qwen2.5-7B, Llama-3-8B, SmolLM2-135M-like, an odd small one.
 HEADS = [(12, 2, 128), (28, 4, 128), (32, 8, 128), (9, 3, 64), (3, 1, 16)]
@@ -35,15 +35,6 @@ def _bf16(*shape, device="cuda"):
 
 def _inv_freq(D, scaled=False, device="cuda"):
     return reference.rope_inv_freq(D, THETA, LLAMA3 if scaled else None).to(device)
-
-
-def _qkv_views(B, H, Hkv, D):
-    """q, k, v as views into one merged [B, (H + 2 Hkv) D] buffer (the QKV GEMV's output)."""
-    qkv = _bf16(B, (H + 2 * Hkv) * D)
-    q = qkv[:, : H * D].view(B, H, D)
-    k = qkv[:, H * D : (H + Hkv) * D].view(B, Hkv, D)
-    v = qkv[:, (H + Hkv) * D :].view(B, Hkv, D)
-    return qkv, q, k, v
 
 
 def _rope_ref(x, pos, inv_freq):
@@ -134,7 +125,7 @@ def test_rope_append_matches_reference_function():
 def test_rope_append_merged_qkv_views(H, Hkv, D):
     """q, k, v strided views of the QKV GEMV output; nothing outside q and k changes in the buffer."""
     B, S = 5, 77
-    qkv, q, k, v = _qkv_views(B, H, Hkv, D)
+    qkv, q, k, v = qkv_views(B, H, Hkv, D)
     v_before = v.clone()
     kc, vc = _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D)
     positions = torch.tensor([3, 0, -1, 76, 40], dtype=torch.int32, device="cuda")
@@ -150,7 +141,7 @@ def test_rope_append_prefill_expanded_cache(T):
     slots, H, Hkv, D, S, s = 4, 12, 2, 128, 512, 2
     k_cache, v_cache = _bf16(slots, Hkv, S, D), _bf16(slots, Hkv, S, D)
     kc0, vc0 = k_cache.clone(), v_cache.clone()
-    _, q, k, v = _qkv_views(T, H, Hkv, D)
+    _, q, k, v = qkv_views(T, H, Hkv, D)
     q0, k0 = q.clone(), k.clone()
     inv_freq = _inv_freq(D)
     positions = torch.arange(T, dtype=torch.int32, device="cuda")
@@ -219,7 +210,7 @@ def test_rope_append_cuda_graph():
     """Captured once; each replay gets fresh q/k/v and new positions written on the device."""
     B, H, Hkv, D, S = 3, 12, 2, 128, 64
     inv_freq = _inv_freq(D, scaled=True)
-    qkv, q, k, v = _qkv_views(B, H, Hkv, D)
+    qkv, q, k, v = qkv_views(B, H, Hkv, D)
     kc, vc = _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D)
     positions = torch.zeros(B, dtype=torch.int32, device="cuda")
     graph = capture_graph(lambda: torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc))

@@ -17,21 +17,15 @@ import torch
 
 from decodex import ops as dx_ops
 from decodex import reference
+from helpers import MERGES, capture_graph, qkv_views, set_merge
 
 THETA = 1_000_000.0
 RMS_EPS = 1e-6
 
 
-def _merge(monkeypatch, merge):
-    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "1" if merge == "cluster" else "0")
-
-
 def _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias, K=256):
     B = len(lengths)
-    qkv = torch.randn(B, (H + 2 * Hkv) * D, device="cuda").to(torch.bfloat16)
-    q = qkv[:, : H * D].view(B, H, D)
-    k = qkv[:, H * D: (H + Hkv) * D].view(B, Hkv, D)
-    v = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)
+    qkv, q, k, v = qkv_views(B, H, Hkv, D)
     kc = torch.randn(B, Hkv, S, D, device="cuda").to(torch.bfloat16)
     vc = torch.randn(B, Hkv, S, D, device="cuda").to(torch.bfloat16)
     inv_freq = reference.rope_inv_freq(D, THETA).cuda()
@@ -94,12 +88,12 @@ HEADS = [(12, 2, 128), (28, 4, 128), (9, 3, 64), (32, 2, 128), (4, 4, 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["cluster", "combine"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("H,Hkv,D", HEADS)
 @pytest.mark.parametrize("B,S", [(1, 1000), (1, 5000), (5, 1100), (64, 1030)], ids=str)
 @pytest.mark.parametrize("with_rms,with_bias", [(True, True), (False, False), (False, True)])
 def test_equals_rope_append_then_attention(monkeypatch, merge, H, Hkv, D, B, S, with_rms, with_bias):
-    _merge(monkeypatch, merge)
+    set_merge(monkeypatch, merge)
     gen = torch.Generator().manual_seed(B * 7 + S + H)
     lengths, positions = _decode_rows(B, S, gen)
     lengths[0], positions[0] = S, S - 1  # the last row of the cache
@@ -110,14 +104,14 @@ def test_equals_rope_append_then_attention(monkeypatch, merge, H, Hkv, D, B, S, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["cluster", "combine"])
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_odd_rows(monkeypatch, merge, prefetch):
     """A dead row (position -1, length 0), a position past the length (appended, not attended), a
     length-0 row with a position (appended by split 0; zeros out), a position past the capacity
     (nothing appended, q unrotated), a position inside the length (the row attended is the new one)
     and ordinary rows."""
-    _merge(monkeypatch, merge)
+    set_merge(monkeypatch, merge)
     S = 700
     lengths = [0, 300, 0, 50, 400, 699, 1]
     positions = [-1, 450, 20, S + 5, 100, 698, 0]
@@ -144,8 +138,6 @@ def test_matches_reference():
 def test_cuda_graph_positions_advance_on_device():
     """One captured call replayed while positions and lengths grow on the device: each replay equals
     the composition at that step (the caches carry over)."""
-    from helpers import capture_graph
-
     S, B, H, Hkv, D = 600, 3, 12, 2, 128
     lengths = [5, 130, 511]
     t = _inputs(lengths, [n - 1 for n in lengths], H, Hkv, D, S, with_rms=True, with_bias=False)
