@@ -20,6 +20,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
   python -m bench.decode --profile        # per-kernel breakdown of 1.5B steps (b1 1K/32K, b64 1K)
   python -m bench.decode --no-hf --cases 16x1024,32x1024 --plans cublas,gemv8   # without the wide gemv
+  python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
@@ -109,13 +110,15 @@ def kv_bytes(model, batch: int, context: int) -> int:
     return 2 * batch * c.num_hidden_layers * 2 * c.num_key_value_heads * (context + 1) * c.head_dim
 
 
-def make_runner(model, batch: int, context: int, plans=None):
+def make_runner(model, batch: int, context: int, plans=None, fuse_rope: bool = True):
     """A runner whose rows 0..batch-1 sit at `context` over a cache of random K/V (plans: the
-    engine's products' plans above 8 rows to measure, default all)."""
+    engine's products' plans above 8 rows to measure, default all; fuse_rope: the runner's
+    fuse_rope_attention)."""
     from decodex.engine import PLANS, CudaGraphRunner
 
     capacity = context + max(GPU_STEPS + 10, WALL_STEPS) + 16
-    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity, plans=plans or PLANS)
+    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity, plans=plans or PLANS,
+                             fuse_rope_attention=fuse_rope)
     runner.eos_ids = set()  # random weights: never stop early
     for t in runner.cache.k + runner.cache.v:
         t.normal_()
@@ -131,8 +134,8 @@ def load_rows(runner, batch: int, context: int):
     return tokens
 
 
-def decodex_case(model, batch: int, context: int, plans=None) -> dict:
-    runner = make_runner(model, batch, context, plans)
+def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = True) -> dict:
+    runner = make_runner(model, batch, context, plans, fuse_rope)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
     gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS))
@@ -383,7 +386,7 @@ def rows(args=None) -> list[list]:
         results = {}
         for batch, context in args.cases:
             try:
-                r = decodex_case(model, batch, context, args.plans)
+                r = decodex_case(model, batch, context, args.plans, args.fuse_rope)
                 floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
@@ -484,6 +487,9 @@ def parse_args(argv):
                    help="the ways a product may run above 8 rows, comma list of cublas, gemv, gemv8 "
                         "(cublas required; default all), e.g. cublas,gemv8 for the step without the "
                         "wide gemv")
+    p.add_argument("--no-fused-rope", dest="fuse_rope", action="store_false",
+                   help="above 8 rows, run rope_append and decode_attention as two kernels instead of "
+                        "rope_append_attention (the engine's fuse_rope_attention=False)")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.plans is not None:

@@ -444,7 +444,7 @@ class CudaGraphRunner(HostLoop):
     """
 
     def __init__(self, model, max_batch: int, capacity: int, depth: int = DEFAULT_DEPTH,
-                 plans: tuple[str, ...] = PLANS):
+                 plans: tuple[str, ...] = PLANS, fuse_rope_attention: bool = True):
         self.plans = check_plans(plans)  # checked first: a bad argument fails on any machine
         if not _ext.available():
             raise RuntimeError(f"CudaGraphRunner needs the decodex kernels: {_ext.why_unavailable()}")
@@ -510,8 +510,8 @@ class CudaGraphRunner(HostLoop):
         # graph size n > 8 -> step ms (dead rows) of the per-product plans and of all-cuBLAS
         self.plan_step_ms: dict[int, dict[str, float]] = {}
         # Graphs of more than 8 rows whose qkv product is cuBLAS or the wide gemv: rope_append's work
-        # runs inside the attention kernel (rope_append_attention) rather than as its own kernel.
-        self.fuse_rope_attention = True
+        # may run inside the attention kernel (_fused_rope_attention); False keeps the two kernels.
+        self.fuse_rope_attention = bool(fuse_rope_attention)
         self._host_pos: list[int] = [-1] * B  # for time_steps: positions the caller loaded
         self._join_caller()  # the model's weights and these buffers were written on the caller's stream
 

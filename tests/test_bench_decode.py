@@ -25,6 +25,12 @@ def test_plans_argument():
             decode.parse_args(["--plans", bad])
 
 
+def test_no_fused_rope_argument():
+    """--no-fused-rope: the runner's fuse_rope_attention off (the A/B of rope_append_attention)."""
+    assert decode.parse_args([]).fuse_rope is True
+    assert decode.parse_args(["--no-fused-rope"]).fuse_rope is False
+
+
 def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
     """The greedy rule on a stand-in runner (no GPU): a step time that depends on the forced
     configurations. Only the down shape's "1,1,1,4" is 10% faster; the other shapes' best is within

@@ -519,8 +519,7 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, fuse):
     # and no whole-step check, which could put the products back on cuBLAS
     monkeypatch.setattr(engine.CudaGraphRunner, "_capture_checking_plans",
                         engine.CudaGraphRunner._capture_as_chosen)
-    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=300)
-    runner.fuse_rope_attention = fuse
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=300, fuse_rope_attention=fuse)
     assert runner._splits[16] >= 2
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
