@@ -213,16 +213,19 @@ def test_fake_tensor_mode():
 
 
 def test_reference_is_the_composition():
-    """reference.rope_append_attention on the CPU: rope_append then decode_attention, inputs kept."""
+    """reference.rope_append_attention on the CPU: rope_append (its rms_x / rms_eps / bias passed
+    through in that order) then decode_attention with the rotated q; inputs kept."""
     torch.manual_seed(0)
-    B, H, Hkv, D, S = 2, 4, 2, 16, 10
+    B, H, Hkv, D, S, K = 2, 4, 2, 16, 10, 24
     q, k, v = torch.randn(B, H, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
     kc, vc = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     inv = reference.rope_inv_freq(D, THETA)
     pos, lens = torch.tensor([3, 9]), torch.tensor([4, 10])
-    q0, kc2, vc2 = q.clone(), kc.clone(), vc.clone()
-    out = reference.rope_append_attention(q, k, v, inv, pos, kc, vc, lens, 0.25)
+    rms_x, bias = 3.0 * torch.randn(B, K), torch.randn((H + 2 * Hkv) * D)
+    q0, kc0, vc0, kc2, vc2 = q.clone(), kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out = reference.rope_append_attention(q, k, v, inv, pos, kc, vc, lens, 0.25, rms_x, RMS_EPS, bias)
     assert torch.equal(q, q0)
-    q_rot, _ = reference.rope_append(q, k, v, inv, pos, kc2, vc2)
+    q_rot, _ = reference.rope_append(q, k, v, inv, pos, kc2, vc2, rms_x=rms_x, rms_eps=RMS_EPS, bias=bias)
     assert torch.equal(out, reference.decode_attention(q_rot, kc2, vc2, lens, 0.25))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert not torch.equal(kc[0, :, 3], kc0[0, :, 3]) and not torch.equal(vc[1, :, 9], vc0[1, :, 9])  # appended
