@@ -5,12 +5,12 @@
 // Idea: a single block per row is latency-bound (V = 151936 bf16 is 300 KB: one SM cannot pull it
 // fast), so each row is split into `chunks` blocks (grid = chunks x B; ~150 blocks of 128 threads
 // at B = 1, each thread one 16-byte load; at B = 64, 33 blocks a row, 4-5 loads a thread, issued
-// together). Each element becomes a 64-bit key (order-preserving value bits << 32 | ~index), so the
-// whole reduction is an unsigned max. Every block writes its key to a
-// static partial array and bumps a per-row counter; the block that brings the counter to `chunks`
-// (last block done, after a __threadfence) combines the partials, writes out[b] and resets the
-// counter to 0, so the next launch and every CUDA-graph replay start clean. No allocation, no
-// workspace argument, one launch.
+// together). Each thread keeps its best (value, index) as floats compare (logits.cuh), and that
+// becomes a 64-bit key (order-preserving value bits << 32 | ~index), so the rest of the reduction
+// is an unsigned max. Every block writes its key to a static partial array and bumps a per-row
+// counter; the block that brings the counter to `chunks` (last block done, after a
+// __threadfence) combines the partials, writes out[b] and resets the counter to 0, so the next
+// launch and every CUDA-graph replay start clean. No allocation, no workspace argument, one launch.
 //
 // Limits of the static state: rows use the split path only for B <= kArgmaxMaxRows (256); larger
 // batches take one block per row (chunks = 1: no partials, no counter), which is already wide enough.

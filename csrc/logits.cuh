@@ -57,13 +57,20 @@ __device__ __forceinline__ u64 block_max_u64(u64 v, u64* scratch) {
   return block_reduce(v, scratch, Max{}, u64{0});
 }
 
-// The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride blockDim),
-// four groups' loads issued together per trip (the max does not care about order).
+// The argmax key of elements [8 * c_begin, 8 * c_end) of a row, this thread's share (stride
+// blockDim), four groups' loads issued together per trip. A thread meets its elements in increasing
+// index order, so a running (value, index) pair updated on a strict > keeps the lowest index of a
+// tie, and the 64-bit key is made once, at the end. Per group of 8 only a max and a sum are taken;
+// the group is scanned element by element only when its max beats the running value, its sum is
+// NaN (a NaN inside, or inf - inf: the scan sorts that out), it is a ragged tail, or nothing is
+// held yet. The first NaN is kept against everything (torch's rule: NaN is the largest). Making a
+// key of every element instead was 11% slower at B = 64 (bench/RESULTS.md, session 12).
 template <typename T>
 __device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t V, int64_t c_begin,
                                              int64_t c_end, bool vec_ok) {
   constexpr int kGroups = 4;
-  u64 best = 0;
+  float best = -INFINITY;
+  int64_t best_i = -1;  // none yet
   for (int64_t c = c_begin + threadIdx.x; c < c_end; c += kGroups * blockDim.x) {
     float f[kGroups][8];
     int n[kGroups];
@@ -74,13 +81,25 @@ __device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t 
     }
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) {
-      const int64_t cu = c + u * static_cast<int64_t>(blockDim.x);
+      float mx = f[u][0], sum = f[u][0];
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (j < n[u]) best = Max{}(best, argmax_key(f[u][j], static_cast<unsigned>(cu * 8 + j)));
+      for (int j = 1; j < 8; ++j) {
+        mx = fmaxf(mx, f[u][j]);
+        sum += f[u][j];
+      }
+      if (n[u] == 0 || !(mx > best || sum != sum || n[u] < 8 || best_i < 0)) continue;
+      const int64_t i0 = (c + u * static_cast<int64_t>(blockDim.x)) * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float v = f[u][j];
+        if (j < n[u] && (best_i < 0 || v > best || (v != v && best == best))) {
+          best = v;
+          best_i = i0 + j;
+        }
+      }
     }
   }
-  return best;
+  return best_i < 0 ? u64{0} : argmax_key(best, static_cast<unsigned>(best_i));
 }
 
 }  // namespace decodex
