@@ -22,6 +22,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --no-hf --cases 16x1024,32x1024 --plans cublas,gemv8   # without the wide gemv
   python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
+  python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
 """
@@ -53,6 +54,7 @@ COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
 CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024), (16, 1024)]
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
 SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
+LIVE_PLAN_CASES = [(64, 1024)]  # --live-plans
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, 1.5B
 GPU_STEPS = 100  # replays timed for "GPU ms"
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
@@ -361,6 +363,37 @@ def sweep_gemv(model, batch: int, context: int) -> dict:
     return kept
 
 
+def live_plans(model, batch: int, context: int) -> dict:
+    """The engine picks each product's plan above 8 rows from graphs of that product alone and checks
+    the whole step with every row dead (attention does nothing). This measures the choice as the
+    step really runs: with the engine's plans, then with each product's plan forced in turn to each
+    of PLANS' wide plans (the others as chosen), the step replayed with live rows at `context`.
+    Prints each and returns {"as chosen": ms, (product, plan): ms}."""
+    from decodex.engine import WIDE_GEMV_MAX_ROWS, WIDE_PLANS
+
+    runner = make_runner(model, batch, context)
+    load_rows(runner, batch, context)
+    n = runner.capture(batch)
+    chosen = {k: v for k, v in runner.linear_plan.items() if k[0] == n}
+
+    def step_ms() -> float:
+        runner.drop_graphs()
+        load_rows(runner, batch, context)
+        return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
+
+    out = {"as chosen": min(step_ms() for _ in range(2))}
+    print(f"  chosen: {', '.join(f'{k[1]} {v}' for k, v in chosen.items())}; step {out['as chosen']:.4f} ms",
+          flush=True)
+    for _, name in chosen:
+        for plan in (p for p in WIDE_PLANS if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS):
+            runner.linear_plan.update(chosen)
+            runner.linear_plan[(n, name)] = plan
+            out[(name, plan)] = step_ms()
+            print(f"  {name} {plan}: step {out[(name, plan)]:.4f} ms", flush=True)
+    runner.linear_plan.update(chosen)
+    return out
+
+
 def parse_cases(text: str) -> list[tuple[int, int]]:
     cases = []
     for part in text.split(","):
@@ -483,6 +516,9 @@ def parse_args(argv):
     p.add_argument("--sweep-gemv", action="store_true",
                    help="instead of the table: choose each GEMV shape's configuration inside the step "
                         "(per model and case; batch <= 8, no HF)")
+    p.add_argument("--live-plans", action="store_true",
+                   help="instead of the table: each product's plan above 8 rows forced in turn, the "
+                        "step timed with live rows (per model and case; batch > 8, no HF)")
     p.add_argument("--plans", default=None,
                    help="the ways a product may run above 8 rows, comma list of cublas, gemv, gemv8 "
                         "(cublas required; default all), e.g. cublas,gemv8 for the step without the "
@@ -506,9 +542,13 @@ def parse_args(argv):
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    args.cases = parse_cases(args.cases) if args.cases else list(SWEEP_CASES if args.sweep_gemv else CASES)
+    default = SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans else CASES
+    args.cases = parse_cases(args.cases) if args.cases else list(default)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
         p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")
+    if args.live_plans and any(b <= GEMV_MAX_ROWS for b, _ in args.cases):
+        p.error(f"--live-plans needs cases of more than {GEMV_MAX_ROWS} rows (below, every product is "
+                f"decodex's fused GEMV); got cases {args.cases}")
     return args
 
 
@@ -517,12 +557,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench.decode needs a CUDA GPU")
     t0 = time.perf_counter()
-    if args.sweep_gemv:
+    if args.sweep_gemv or args.live_plans:
         for key in args.models:
             model = build_decodex(key)
             for batch, context in args.cases:
-                print(f"{MODELS[key]['name']} b{batch} ctx{context}: in-step GEMV sweep", flush=True)
-                sweep_gemv(model, batch, context)
+                what = "in-step GEMV sweep" if args.sweep_gemv else "products' plans, live rows"
+                print(f"{MODELS[key]['name']} b{batch} ctx{context}: {what}", flush=True)
+                (sweep_gemv if args.sweep_gemv else live_plans)(model, batch, context)
                 gc.collect()
                 torch.cuda.empty_cache()
             del model

@@ -48,7 +48,8 @@ if has sanitize; then
   sanitize racecheck_gemv racecheck tests/test_gemv.py
 fi
 if [[ " ${steps[*]} " == *" ncu "* ]]; then  # only when asked for by name
-  # Nsight Compute on one 1.5B gate|up GEMV (17920 x 1536, M = 1), alone: the third call is profiled.
+  # Nsight Compute, clocks left alone, on one kernel call each (the third): a 1.5B gate|up GEMV
+  # (17920 x 1536, M = 1) and the batch-64 attention below.
   cat > "$OUT/ncu_gemv.py" <<'PY'
 import torch, decodex  # noqa: E401,F401
 w = torch.randn(17920, 1536, device="cuda", dtype=torch.bfloat16)
@@ -58,10 +59,35 @@ for _ in range(3):
     torch.ops.decodex.gemv(x, w, None, o)
 torch.cuda.synchronize()
 PY
-  timeout 150 ncu --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+  timeout 150 ncu --clock-control none --kernel-name regex:gemv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
     env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 "$OUT/ncu_gemv.py" > "$OUT/ncu_gemv.txt" 2>&1
   echo "ncu exit $?"; grep -E "Duration|DRAM Throughput|Achieved Active Warps|Registers Per" "$OUT/ncu_gemv.txt"
+  # And the batch-64 step's attention: rope_append_attention at 1.5B shapes (64 rows, 1K tokens).
+  cat > "$OUT/ncu_attn.py" <<'PY'
+import torch, decodex  # noqa: E401,F401
+B, H, Hkv, D, S, L = 64, 12, 2, 128, 1152, 1024
+qkv = torch.randn(B, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+q, k, v = qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D), qkv[:, (H + Hkv) * D:].view(B, Hkv, D)
+kc = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+vc = torch.randn_like(kc)
+lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
+inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+ws = torch.empty(B, H, int(torch.ops.decodex.decode_attention_splits(B, Hkv, S, sms)), D + 2, device="cuda")
+out = torch.empty(B, H, D, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(B, 1536, device="cuda", dtype=torch.bfloat16)
+bias = torch.randn((H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    torch.ops.decodex.rope_append_attention(q, k, v, inv_freq, lengths - 1, kc, vc, lengths, D ** -0.5, ws, out,
+                                            prefetch_cache=True, rms_x=x, rms_eps=1e-6, bias=bias)
+torch.cuda.synchronize()
+PY
+  timeout 150 ncu --clock-control none --kernel-name regex:decode_attention_split --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats \
+    env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 "$OUT/ncu_attn.py" > "$OUT/ncu_attn.txt" 2>&1
+  echo "ncu exit $?"; grep -E "Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|Eligible Warps|Registers Per" "$OUT/ncu_attn.txt"
 fi
 if has bench; then
   timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.run_all --out "$OUT/bench_ops.md" > "$OUT/bench_ops.log" 2>&1

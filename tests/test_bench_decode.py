@@ -25,6 +25,14 @@ def test_plans_argument():
             decode.parse_args(["--plans", bad])
 
 
+def test_live_plans_cases():
+    """--live-plans: only cases of more than 8 rows (the plans exist only there); 64x1024 by default."""
+    assert decode.parse_args(["--live-plans"]).cases == [(64, 1024)]
+    assert decode.parse_args(["--live-plans", "--cases", "16x1k,32x1k"]).cases == [(16, 1024), (32, 1024)]
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--live-plans", "--cases", "8x1024,64x1024"])
+
+
 def test_no_fused_rope_argument():
     """--no-fused-rope: the runner's fuse_rope_attention off (the A/B of rope_append_attention)."""
     assert decode.parse_args([]).fuse_rope is True
