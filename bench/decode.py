@@ -154,6 +154,8 @@ def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = 
             plan[name] = f"{v} {times}" if times else v
     if n in runner.plan_step_ms:
         plan["step ms with dead rows"] = {k: round(ms, 3) for k, ms in runner.plan_step_ms[n].items()}
+    if n in runner.plan_refine_ms:
+        plan["step ms, rows reading the cache"] = {k: round(ms, 3) for k, ms in runner.plan_refine_ms[n].items()}
     if n in runner.rms_in_gemv:
         times = {"+".join(c): round(ms, 3) for (m, c), ms in runner.rms_times_ms.items() if m == n}
         plan["rms in gemv"] = f"{'+'.join(runner.rms_in_gemv[n])} (step ms with dead rows: {times})"

@@ -25,8 +25,10 @@ of three plans was fastest when timed once, at that graph's first capture, over 
 of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all
 rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
 are a product then rope_append / silu_mul, which scale it by 1/rms(residual). The plans so chosen
-are then kept only if the whole step replays faster with them than with every product on cuBLAS.
-After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the bias, RoPE and the
+are then kept only if the whole step replays faster with them than with every product on cuBLAS,
+both timed with every row dead; last, each product's other plans are tried in turn with the rows
+reading the cache (attention at work, nothing appended), and a change is kept where the step gains
+(_refine_plans). After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the bias, RoPE and the
 cache append) runs inside the attention kernel, rope_append_attention, where the attention has at
 least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel before
 decode_attention (_fused_rope_attention).
@@ -96,6 +98,11 @@ DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for
 PLANS = ("cublas", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "gemv")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
+PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
+# The plans above 8 rows are refined with rows that read this many cache tokens (at most the
+# capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
+PLAN_CONTEXT = 1024
+PLAN_MARGIN = 0.005
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -509,6 +516,9 @@ class CudaGraphRunner(HostLoop):
         self.rms_times_ms: dict[tuple[int, tuple[str, ...]], float] = {}  # what each choice measured
         # graph size n > 8 -> step ms (dead rows) of the per-product plans and of all-cuBLAS
         self.plan_step_ms: dict[int, dict[str, float]] = {}
+        # graph size n > 8 -> step ms with rows reading the cache: "start" (the plans above), then
+        # "<product> <plan>" for each change tried (_refine_plans)
+        self.plan_refine_ms: dict[int, dict[str, float]] = {}
         # Graphs of more than 8 rows whose qkv product is cuBLAS or the wide gemv: rope_append's work
         # may run inside the attention kernel (_fused_rope_attention); False keeps the two kernels.
         self.fuse_rope_attention = bool(fuse_rope_attention)
@@ -694,18 +704,25 @@ class CudaGraphRunner(HostLoop):
         return g
 
     @contextlib.contextmanager
-    def _quiet_rows(self):
+    def _quiet_rows(self, length: int = 0):
         """Run warm-up steps with every row dead, then restore the sequence state exactly (dead
-        rows write no cache entry, so the KV cache is untouched)."""
+        rows write no cache entry, so the KV cache is untouched). With length > 0 the rows still
+        append nothing and stay where they are (position -1), but attention reads `length` tokens
+        of each row's cache."""
         saved = (self.tokens.clone(), self.positions.clone(), self.lengths.clone())
         self.positions.fill_(-1)
-        self.lengths.fill_(0)
+        self.lengths.fill_(length)
         try:
             yield
         finally:
             self.tokens.copy_(saved[0])
             self.positions.copy_(saved[1])
             self.lengths.copy_(saved[2])
+
+    def _reading_rows(self):
+        """_quiet_rows whose attention reads min(capacity, PLAN_CONTEXT) tokens (what the cache
+        holds there, never written by this)."""
+        return self._quiet_rows(min(self.capacity, PLAN_CONTEXT))
 
     def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """The graph of a step over n rows. At a size's first capture of at most 8 rows the step is
@@ -735,28 +752,54 @@ class CudaGraphRunner(HostLoop):
         one product at a time, kept only if the whole step replays faster with them than with every
         product on cuBLAS (each product's neighbours in the step differ from its own in the trial:
         at 32 rows the wide gemv won its trials on qkv and o and lost in the step,
-        bench/RESULTS.md, session 9)."""
+        bench/RESULTS.md, session 9); then refined with attention at work (_refine_plans)."""
         graph = self._capture_as_chosen(n, greedy)  # plans the products on first use
         chosen = {k: v for k, v in self.linear_plan.items() if k[0] == n}
-        if all(v == "cublas" for v in chosen.values()):
-            self.plan_step_ms[n] = {"per product": self._replay_ms(graph)}
-            return graph
         times = {"per product": self._replay_ms(graph)}
-        self.linear_plan.update({k: "cublas" for k in chosen})
-        cublas = self._capture_as_chosen(n, greedy)
-        times["all cublas"] = self._replay_ms(cublas)
         self.plan_step_ms[n] = times
-        if times["all cublas"] < times["per product"]:
-            return cublas
-        self.linear_plan.update(chosen)
+        if not all(v == "cublas" for v in chosen.values()):
+            self.linear_plan.update({k: "cublas" for k in chosen})
+            cublas = self._capture_as_chosen(n, greedy)
+            times["all cublas"] = self._replay_ms(cublas)
+            if times["all cublas"] < times["per product"]:
+                graph = cublas
+            else:
+                self.linear_plan.update(chosen)
+        return self._refine_plans(n, greedy, graph)
+
+    def _refine_plans(self, n: int, greedy: bool, graph: torch.cuda.CUDAGraph) -> torch.cuda.CUDAGraph:
+        """The plans so far were timed with every row dead, so attention did nothing. But a decodex
+        GEMV loads its first weights while the kernel ahead runs, and after attention that competes
+        with attention's reads: at 1.5B, 32 rows the wide gemv o product lost 1.5% in the live step
+        (bench/RESULTS.md, session 12). So each product's plan is changed in turn to each other
+        plan, the step timed with rows that read min(capacity, PLAN_CONTEXT) cache tokens
+        (_reading_rows: nothing is appended), and a change kept where it wins by PLAN_MARGIN.
+        Returns the graph of the plans kept."""
+        plans = [p for p in self.plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS]
+        best = self._replay_ms(graph, reading=True)
+        tried = {"start": best}
+        for name in PRODUCTS:
+            kept = self.linear_plan[(n, name)]
+            for plan in plans:
+                if plan == kept:
+                    continue
+                self.linear_plan[(n, name)] = plan
+                trial = self._capture_as_chosen(n, greedy)
+                ms = tried[f"{name} {plan}"] = self._replay_ms(trial, reading=True)
+                if ms < (1.0 - PLAN_MARGIN) * best:
+                    best, kept, graph = ms, plan, trial
+            self.linear_plan[(n, name)] = kept
+        self.plan_refine_ms[n] = tried
         return graph
 
-    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-        """GPU ms per replay of a step graph, every row dead (state saved and restored): the
-        weight products run in full, attention and the appends do nothing."""
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph, reps: int = 20, reading: bool = False) -> float:
+        """GPU ms per replay of a step graph, the row state saved and restored: every row dead (the
+        weight products run in full, attention and the appends do nothing) or, with reading, every
+        row reading the cache (_reading_rows)."""
         cs = self._capture_stream
         cs.wait_stream(self.stream)
-        with torch.cuda.device(self.device), torch.cuda.stream(cs), self._quiet_rows():
+        rows = self._reading_rows() if reading else self._quiet_rows()
+        with torch.cuda.device(self.device), torch.cuda.stream(cs), rows:
             ms = event_time_ms(lambda: [graph.replay() for _ in range(reps)], reps=3) / reps
         self.stream.wait_stream(cs)
         return ms
