@@ -779,9 +779,9 @@ class CudaGraphRunner(HostLoop):
         best = self._replay_ms(graph, reading=True)
         tried = {"start": best}
         for name in PRODUCTS:
-            kept = self.linear_plan[(n, name)]
+            start = kept = self.linear_plan[(n, name)]
             for plan in plans:
-                if plan == kept:
+                if plan == start:
                     continue
                 self.linear_plan[(n, name)] = plan
                 trial = self._capture_as_chosen(n, greedy)

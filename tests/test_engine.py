@@ -484,12 +484,13 @@ def test_graph_logits_match_fp32_reference(name):
 def test_refine_plans_keeps_only_real_gains():
     """_refine_plans on a stand-in runner (no GPU): each product's other plans tried in turn, the
     step times made up. o on the wide gemv is 5% faster and kept; o on gemv8 (0.2%, under
-    PLAN_MARGIN) and down on the wide gemv (slower) are not; the graph returned is the one captured
-    with the plans kept, and every trial is recorded."""
+    PLAN_MARGIN) and down on the wide gemv (slower) are not; lm_head starts on gemv8 and moves to
+    cuBLAS, and gemv8 is not tried again after that; the graph returned is the one captured with
+    the plans kept, and every trial is recorded."""
     r = engine.CudaGraphRunner.__new__(engine.CudaGraphRunner)
     r.plans, r.plan_refine_ms = engine.PLANS, {}
-    r.linear_plan = {(16, name): "cublas" for name in engine.PRODUCTS}
-    gains = {("o", "gemv"): 0.95, ("o", "gemv8"): 0.998, ("down", "gemv"): 1.2}
+    r.linear_plan = {(16, name): "gemv8" if name == "lm_head" else "cublas" for name in engine.PRODUCTS}
+    gains = {("o", "gemv"): 0.95, ("o", "gemv8"): 0.998, ("down", "gemv"): 1.2, ("lm_head", "gemv8"): 1.1}
 
     def capture(n, greedy):  # the "graph": the plans it was captured with
         return {name: r.linear_plan[(n, name)] for name in engine.PRODUCTS}
@@ -506,8 +507,9 @@ def test_refine_plans_keeps_only_real_gains():
     want = {name: "gemv" if name == "o" else "cublas" for name in engine.PRODUCTS}
     assert graph == want and capture(16, True) == want
     tried = r.plan_refine_ms[16]
-    assert tried["start"] == 2.0 and len(tried) == 1 + 2 * len(engine.PRODUCTS)
-    assert tried["o gemv"] == pytest.approx(1.9) and tried["down gemv"] == pytest.approx(2.0 * 0.95 * 1.2)
+    assert tried["start"] == pytest.approx(2.2) and len(tried) == 1 + 2 * len(engine.PRODUCTS)
+    assert tried["o gemv"] == pytest.approx(2.2 * 0.95) and tried["down gemv"] == pytest.approx(2.2 * 0.95 * 1.2)
+    assert tried["lm_head cublas"] == pytest.approx(1.9) and "lm_head gemv8" not in tried
 
 
 @pytest.mark.gpu
