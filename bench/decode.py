@@ -366,11 +366,12 @@ def sweep_gemv(model, batch: int, context: int) -> dict:
 
 
 def live_plans(model, batch: int, context: int) -> dict:
-    """The engine picks each product's plan above 8 rows from graphs of that product alone and checks
-    the whole step with every row dead (attention does nothing). This measures the choice as the
-    step really runs: with the engine's plans, then with each product's plan forced in turn to each
-    of PLANS' wide plans (the others as chosen), the step replayed with live rows at `context`.
-    Prints each and returns {"as chosen": ms, (product, plan): ms}."""
+    """The engine picks each product's plan above 8 rows from graphs of that product alone, checks
+    the whole step with every row dead, then refines the plans with rows that read the cache but
+    append nothing (CudaGraphRunner._refine_plans). This measures the choice as the step really
+    runs: with the engine's plans, then with each product's plan forced in turn to each of PLANS'
+    wide plans (the others as chosen), the step replayed with live rows at `context` (appends,
+    RoPE and all). Prints each and returns {"as chosen": ms, (product, plan): ms}."""
     from decodex.engine import WIDE_GEMV_MAX_ROWS, WIDE_PLANS
 
     runner = make_runner(model, batch, context)

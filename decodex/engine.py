@@ -28,10 +28,10 @@ are a product then rope_append / silu_mul, which scale it by 1/rms(residual). Th
 are then kept only if the whole step replays faster with them than with every product on cuBLAS,
 both timed with every row dead; last, each product's other plans are tried in turn with the rows
 reading the cache (attention at work, nothing appended), and a change is kept where the step gains
-(_refine_plans). After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the bias, RoPE and the
-cache append) runs inside the attention kernel, rope_append_attention, where the attention has at
-least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel before
-decode_attention (_fused_rope_attention).
+(_refine_plans). After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the
+bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where the
+attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
+before decode_attention (_fused_rope_attention).
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
