@@ -77,7 +77,13 @@ __device__ __forceinline__ u64 thread_argmax(const T* __restrict__ row, int64_t 
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) {
       const int64_t cu = c + u * static_cast<int64_t>(blockDim.x);
-      n[u] = cu < c_end ? load8(row, V, cu, vec_ok, f[u]) : 0;
+      n[u] = 0;
+      if (cu < c_end) {
+        n[u] = load8(row, V, cu, vec_ok, f[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[u][j] = 0.f;  // never loaded: defined, and n[u] = 0 skips it
+      }
     }
 #pragma unroll
     for (int u = 0; u < kGroups; ++u) {
