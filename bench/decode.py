@@ -323,6 +323,14 @@ def _err(e: BaseException) -> str:
 SWEEP_STEPS = 60  # replays per configuration in --sweep-gemv
 
 
+def live_step_ms(runner, batch: int, context: int) -> float:
+    """The median GPU ms of the step as the runner's settings now stand: graphs recaptured, rows
+    reloaded at `context` (the sweeps below change a setting between calls)."""
+    runner.drop_graphs()
+    load_rows(runner, batch, context)
+    return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
+
+
 def sweep_gemv(model, batch: int, context: int) -> dict:
     """The GEMV configurations that make the decode step fastest, chosen inside the step: for each
     weight shape in turn (down, gate|up, qkv, o, lm_head), the step is captured once per kernel
@@ -344,9 +352,7 @@ def sweep_gemv(model, batch: int, context: int) -> dict:
             os.environ[ENV] = ";".join(f"{n},{k}:{cfg}" for (n, k), cfg in entries.items())
         else:
             os.environ.pop(ENV, None)
-        runner.drop_graphs()
-        load_rows(runner, batch, context)
-        return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
+        return live_step_ms(runner, batch, context)
 
     try:
         for N, K in shapes:
@@ -372,26 +378,20 @@ def live_plans(model, batch: int, context: int) -> dict:
     runs: with the engine's plans, then with each product's plan forced in turn to each of PLANS'
     wide plans (the others as chosen), the step replayed with live rows at `context` (appends,
     RoPE and all). Prints each and returns {"as chosen": ms, (product, plan): ms}."""
-    from decodex.engine import WIDE_GEMV_MAX_ROWS, WIDE_PLANS
+    from decodex.engine import WIDE_PLANS, plans_at
 
     runner = make_runner(model, batch, context)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
     chosen = {k: v for k, v in runner.linear_plan.items() if k[0] == n}
-
-    def step_ms() -> float:
-        runner.drop_graphs()
-        load_rows(runner, batch, context)
-        return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
-
-    out = {"as chosen": min(step_ms() for _ in range(2))}
+    out = {"as chosen": min(live_step_ms(runner, batch, context) for _ in range(2))}
     print(f"  chosen: {', '.join(f'{k[1]} {v}' for k, v in chosen.items())}; step {out['as chosen']:.4f} ms",
           flush=True)
     for _, name in chosen:
-        for plan in (p for p in WIDE_PLANS if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS):
+        for plan in plans_at(WIDE_PLANS, n):
             runner.linear_plan.update(chosen)
             runner.linear_plan[(n, name)] = plan
-            out[(name, plan)] = step_ms()
+            out[(name, plan)] = live_step_ms(runner, batch, context)
             print(f"  {name} {plan}: step {out[(name, plan)]:.4f} ms", flush=True)
     runner.linear_plan.update(chosen)
     return out

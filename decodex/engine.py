@@ -114,6 +114,11 @@ def check_plans(plans) -> tuple[str, ...]:
     return plans
 
 
+def plans_at(plans, n: int) -> list[str]:
+    """Those of `plans` a graph of n rows can run: the wide gemv takes at most WIDE_GEMV_MAX_ROWS."""
+    return [p for p in plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS]
+
+
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
     """The graph batch sizes for a runner of max_batch rows: GRAPH_SIZES below it, then max_batch."""
     return tuple(s for s in GRAPH_SIZES if s < max_batch) + (max_batch,)
@@ -775,7 +780,7 @@ class CudaGraphRunner(HostLoop):
         plan, the step timed with rows that read min(capacity, PLAN_CONTEXT) cache tokens
         (_reading_rows: nothing is appended), and a change kept where it wins by PLAN_MARGIN.
         Returns the graph of the plans kept."""
-        plans = [p for p in self.plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS]
+        plans = plans_at(self.plans, n)
         best = self._replay_ms(graph, reading=True)
         tried = {"start": best}
         for name in PRODUCTS:
@@ -866,7 +871,7 @@ class CudaGraphRunner(HostLoop):
 
         for name, (calls, run) in runs.items():
             times = {}
-            for plan in (p for p in self.plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS):
+            for plan in plans_at(self.plans, n):
                 self.linear_plan[(n, name)] = plan
                 times[plan] = replay_us(run, calls)
             self.linear_times_us[(n, name)] = times
