@@ -481,6 +481,43 @@ def test_graph_logits_match_fp32_reference(name):
     torch.testing.assert_close(runner.logits[0], replayed, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("per_product_ms, keeps", [(1.0, "per product"), (3.0, "all cublas")])
+def test_checking_plans_keeps_the_faster_set_then_refines(per_product_ms, keeps):
+    """_capture_checking_plans on a stand-in runner (no GPU): the per-product plans against every
+    product on cuBLAS, both with dead rows; the faster set is what _refine_plans starts from (the
+    graph it gets was captured with those plans, and linear_plan holds them)."""
+    r = engine.CudaGraphRunner.__new__(engine.CudaGraphRunner)
+    r.plan_step_ms = {}
+    per_product = {(16, name): "gemv" if name == "o" else "cublas" for name in engine.PRODUCTS}
+    r.linear_plan = {}
+    refined = []
+
+    def capture(n, greedy):
+        if not r.linear_plan:  # the first capture plans the products (_plan_linears)
+            r.linear_plan.update(per_product)
+        return dict(r.linear_plan)
+
+    def replay_ms(graph, reading=False):
+        assert not reading
+        return per_product_ms if graph == per_product else 2.0
+
+    def refine(n, greedy, graph):
+        refined.append((graph, dict(r.linear_plan)))
+        return graph
+
+    r._capture_as_chosen, r._replay_ms, r._refine_plans = capture, replay_ms, refine
+    graph = r._capture_checking_plans(16, True)
+    want = per_product if keeps == "per product" else {k: "cublas" for k in per_product}
+    assert graph == want and refined == [(want, want)]
+    assert r.plan_step_ms[16] == {"per product": per_product_ms, "all cublas": 2.0}
+
+
+def test_plans_at():
+    """The wide gemv only up to WIDE_GEMV_MAX_ROWS rows."""
+    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS) == list(engine.PLANS)
+    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS + 1) == ["cublas", "gemv8"]
+
+
 def test_refine_plans_keeps_only_real_gains():
     """_refine_plans on a stand-in runner (no GPU): each product's other plans tried in turn, the
     step times made up. o on the wide gemv is 5% faster and kept; o on gemv8 (0.2%, under
@@ -525,7 +562,7 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
     plan = {k: v for k, v in runner.linear_plan.items() if k[0] == 16}
     print(f"{name}: linear plan for 16 rows: {plan}, times (us): "
           f"{ {k: v for k, v in runner.linear_times_us.items() if k[0] == 16} }")
-    assert set(name for _, name in plan) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert set(name for _, name in plan) == set(engine.PRODUCTS)
     checked, refined = runner.plan_step_ms[16], runner.plan_refine_ms[16]
     print(f"{name}: step ms with dead rows: {checked}; rows reading the cache: {refined}")
     # then every other plan of every product was tried with attention at work (_refine_plans)
@@ -543,7 +580,7 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, fuse):
     m = models("qwen2-d128")
 
     def forced(self, n):
-        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        for name in engine.PRODUCTS:
             self.linear_plan[(n, name)] = plan
 
     monkeypatch.setattr(engine.CudaGraphRunner, "_plan_linears", forced)
