@@ -60,4 +60,16 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                  const GemvOptions& options, const RopeAppendArgs& rope = {});
 
+// The wide GEMV (csrc/gemv_wide.cu): gemv's kStore product for 9..kMaxRowsWide rows of x, checked
+// by the caller.
+void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_bfloat16* bias,
+                      at::Tensor& out, const GemvOptions& options);
+
+// A configuration forced through the environment variable `var` for tuning sweeps: "v1,...,vcount"
+// for every shape, or entries "N,K:v1,...,vcount" separated by ';' for the weight shapes [N, K]
+// they name. Returns whether one applies to [N, K] (the first entry naming it), its values in
+// `values`; a malformed value is an error naming `var` and the `fields` ("wr,wk,c,u").
+bool config_from_env(const char* var, const char* fields, int64_t N, int64_t K, int* values,
+                     int count);
+
 }  // namespace decodex

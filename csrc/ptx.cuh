@@ -1,5 +1,6 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, and the tensor-core mma.
+// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, the tensor-core mma, and the
+// cp.async copies of the wide GEMV.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -67,6 +68,40 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// cp.async (sm_80): 16 bytes from global p into shared memory at dst (a shared-space address), through
+// L2 only; the bytes past src_bytes (0 or 16) are zero-filled, so src_bytes = 0 writes 16 zeros and
+// reads nothing. Completion is tracked by cp_async_commit / cp_async_wait groups.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* p, uint32_t src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(p), "r"(src_bytes)
+               : "memory");
+#endif
+}
+
+// cp_async16 for streamed weights: L2 fetches the whole 256 B granule at once (a warp reads each
+// weight row in 64 B pieces).
+__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* p, uint32_t src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(p),
+               "r"(src_bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 

@@ -121,7 +121,7 @@ def test_gemv_wide_rows_independent(monkeypatch):
     their number: 64 rows at once equal four calls of 16, and the first 9 of them one call of 9.
     (Up to 8 rows the kernel keeps two accumulator sets a lane, the wide one one set a block of 8
     rows, so an M <= 8 call may differ from a wide one in the last bit of fp32 before rounding.)"""
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,4,1,4")
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "1,4")
     M, N, K = 64, 1536, 8960
     x, w, b = _inputs(M, N, K)
     wide = _gemv(x, w, b, _poisoned(M, N))
@@ -143,7 +143,7 @@ def test_gemv_values_vocab_sized(M, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 37])  # 37: the wide kernel's element-wise stores
 def test_gemv_strided_rows(M):
     """x, weight and out as row slices of wider buffers; the padding of out stays untouched."""
     N, K = 769, 1544
@@ -177,7 +177,7 @@ CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M", [1, 4, 8, 16, 37, 64])  # the last three: the wide variants
+@pytest.mark.parametrize("M", [1, 4, 8])
 @pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
 def test_gemv_every_variant(monkeypatch, config, M, N, K):
     if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
@@ -187,6 +187,41 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
     out = _gemv(x, w, b, _poisoned(M, N))
     torch.cuda.synchronize()
     _check(out, x, w, b)
+
+
+# Every variant of the wide kernel (M > 8), forced: (t, c). Includes clusters of every size, ranks
+# with no k-steps (c > ceil(K / 32)), k-ranges of several chunks, spare tiles past N.
+WIDE_CONFIGS = ["1,1", "2,1", "1,2", "2,2", "1,4", "2,4", "1,8", "2,8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", WIDE_CONFIGS)
+@pytest.mark.parametrize("M", [9, 16, 37, 64])
+@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960), (2048, 264)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_wide_every_variant(monkeypatch, config, M, N, K, accumulate):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the wide GEMV needs sm_90")
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", config)
+    x, w, b = _inputs(M, N, K, bias=True)
+    if accumulate:
+        base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+        out = base.clone()
+        torch.ops.decodex.gemv(x, w, b, out, accumulate=True)
+        want = (base.float() + _gemv(x, w, b, _poisoned(M, N)).float()).to(torch.bfloat16)
+        assert torch.equal(out, want)
+    else:
+        _check(_gemv(x, w, b, _poisoned(M, N)), x, w, b)
+
+
+@pytest.mark.gpu
+def test_gemv_bad_wide_config_override(monkeypatch):
+    x, w, b = _inputs(16, 64, 64)
+    for bad in ["3,1", "0,1", "1,3", "1,16", "nonsense", "1", "1,1,2", "64,64:1", "64,64:1,1;",
+                "64,64:1,1;junk"]:
+        monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", bad)
+        with pytest.raises(RuntimeError, match="DECODEX_GEMV_WIDE_CONFIG"):
+            _gemv(x, w, b, _poisoned(16, 64))
 
 
 @pytest.mark.gpu
