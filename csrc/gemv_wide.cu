@@ -40,7 +40,7 @@ constexpr int kTileRows = 16;                // weight rows per tile: the mma's 
 constexpr int kStepK = 32;                   // k per warp step: 4 lanes x 8 bf16
 constexpr int kChunkK = 256;                 // k of x per staged chunk
 constexpr int kChunkSteps = kChunkK / kStepK;
-constexpr int kRowStride = kChunkK + 8;      // bf16 per staged x row (528 B = 16 mod 128)
+constexpr int kRowStride = kChunkK + 32;     // bf16 per staged x row (576 B = 64 mod 128)
 constexpr int kMaxCluster = 8;
 constexpr int kRing = 8;                     // k-steps of weights a warp keeps in flight (+ 1 in use)
 
@@ -129,13 +129,12 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   }
   // Steps whose 16 bytes at k = (s_begin + i) * 32 + 8t this lane copies: i < w_steps (k < K).
   const int w_steps = min(steps, (K - t * 8 + kStepK - 1) / kStepK - s_begin);
-  // The warp's ring: slot u (= step % kRing) of tile tt is 1 KB, [k chunk (0..3)][row (0..15)][16 B],
-  // so each 8x8 matrix an ldmatrix reads (8 rows of one k chunk) is 128 contiguous bytes.
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem + smem_x_bytes(MB))) +
-                          static_cast<uint32_t>(warp * kRing * T * 1024);
-  auto slot = [&](int u, int tt) { return static_cast<uint32_t>((u * T + tt) * 1024); };
-  // Step i (from s_begin) of the weights into slot i % kRing: lane (g, t) copies k chunk t of rows
-  // g and g + 8; zeros past s_end, K and N.
+  // The warp's ring: slot (step % kRing, tile, half) holds each lane's 16 B, lane after lane, so a
+  // lane reads back exactly what its own cp.async wrote (no barrier, only its own wait).
+  unsigned char* ring = smem + smem_x_bytes(MB) + warp * kRing * T * 2 * 512 + lane * 16;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  auto slot = [&](int i, int tt, int h) { return ((i % kRing * T + tt) * 2 + h) * 512; };
+  // Step i (from s_begin) of the weights into its slot; zeros past s_end, K and N.
   auto issue_weights = [&](int i) {
     const bool in = i < w_steps;
 #pragma unroll
@@ -143,8 +142,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool ok = in && wok[tt][h];
-        cp_async16_l2_256(ring_s + slot(i % kRing, tt) + static_cast<uint32_t>((t * 16 + g + 8 * h) * 16),
-                          ok ? wrow[tt][h] + i * kStepK : weight, ok ? 16u : 0u);
+        cp_async16_l2_256(ring_s + slot(i, tt, h), ok ? wrow[tt][h] + i * kStepK : weight, ok ? 16u : 0u);
       }
     }
   };
@@ -204,51 +202,40 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   // Step i: wait for the group of step i - kRing + 1 (its weights: step i), and at a chunk start
   // for every thread's x pieces (staged 8 steps before); then queue step i + kRing - 1's weights
   // (and, at a chunk start, the next chunk of x into the buffer the last chunk used), then the mmas.
-  // Unrolled over a chunk (kRing == kChunkSteps: ring slots and x offsets are then constants).
-  static_assert(kRing == kChunkSteps, "the unrolled chunk loop takes ring slot = step in chunk");
-  const int chunks = (steps + kChunkSteps - 1) / kChunkSteps;
-  for (int ch = 0; ch < chunks; ++ch) {
-    // Lane L's row of x block b: x row 8b + L % 8, k chunk L / 8 of the step.
-    const uint32_t xb = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) +
-                        static_cast<uint32_t>(((ch & 1) * kBufElems + (lane % 8) * kRowStride + (lane / 8) * 8) * 2);
+  for (int i = 0; i < steps; ++i) {
+    const int ci = i % kChunkSteps;
+    if (i > 0) {
+      cp_async_wait<kRing - 2>();
+      if (ci == 0) __syncthreads();  // chunk i / 8 visible; chunk i / 8 - 1 read by every warp
+    }
+    issue_weights(i + kRing - 1);
+    if (ci == 0 && i + kChunkSteps < steps) stage_x(i / kChunkSteps + 1);
+    cp_async_commit();
+    uint4 wa[T], wb[T];
 #pragma unroll
-    for (int u = 0; u < kChunkSteps; ++u) {
-      const int i = ch * kChunkSteps + u;
-      if (i >= steps) break;
-      if (i > 0) {
-        cp_async_wait<kRing - 2>();
-        if (u == 0) __syncthreads();  // chunk ch visible; chunk ch - 1 read by every warp
-      }
-      issue_weights(i + kRing - 1);
-      if (u == 0 && ch + 1 < chunks) stage_x(ch + 1);
-      cp_async_commit();
-      __syncwarp();  // every lane's copies of step i have landed (ldmatrix reads other lanes')
-      // A (weight tile tt, k halves 0 and 1) and B (x block b: both k halves) fragments, in the
-      // natural k order; lane L gives row L % 8 of matrix L / 8.
-      uint32_t a[T][2][4], bx[MB][4];
+    for (int tt = 0; tt < T; ++tt) {
+      wa[tt] = *reinterpret_cast<const uint4*>(ring + slot(i, tt, 0));
+      wb[tt] = *reinterpret_cast<const uint4*>(ring + slot(i, tt, 1));
+    }
+    const __nv_bfloat16* xb =
+        xs + (i / kChunkSteps & 1) * kBufElems + g * kRowStride + ci * kStepK + t * 8;
+    uint4 xv[MB];  // B column g of block b = x row 8b + g; the same physical k as the weights
+#pragma unroll
+    for (int b = 0; b < MB; ++b) xv[b] = *reinterpret_cast<const uint4*>(xb + 8 * b * kRowStride);
+    // All first halves, then all second halves: 2 * T * MB independent chains, none waiting on
+    // the mma just issued (ptxas keeps the mmas in this order).
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
 #pragma unroll
       for (int tt = 0; tt < T; ++tt) {
-        ldmatrix_x4(a[tt][0], ring_s + slot(u, tt) + static_cast<uint32_t>(lane * 16));
-        ldmatrix_x4(a[tt][1], ring_s + slot(u, tt) + static_cast<uint32_t>(512 + lane * 16));
+        mma_bf16_16816(acc_lo[tt][b], wa[tt].x, wb[tt].x, wa[tt].y, wb[tt].y, xv[b].x, xv[b].y);
       }
+    }
 #pragma unroll
-      for (int b = 0; b < MB; ++b) {
-        ldmatrix_x4(bx[b], xb + static_cast<uint32_t>((8 * b * kRowStride + u * kStepK) * 2));
-      }
-      // k half 0 into acc_lo, half 1 into acc_hi: 2 * T * MB independent chains.
+    for (int b = 0; b < MB; ++b) {
 #pragma unroll
-      for (int b = 0; b < MB; ++b) {
-#pragma unroll
-        for (int tt = 0; tt < T; ++tt) {
-          mma_bf16_16816(acc_lo[tt][b], a[tt][0][0], a[tt][0][1], a[tt][0][2], a[tt][0][3], bx[b][0], bx[b][1]);
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < MB; ++b) {
-#pragma unroll
-        for (int tt = 0; tt < T; ++tt) {
-          mma_bf16_16816(acc_hi[tt][b], a[tt][1][0], a[tt][1][1], a[tt][1][2], a[tt][1][3], bx[b][2], bx[b][3]);
-        }
+      for (int tt = 0; tt < T; ++tt) {
+        mma_bf16_16816(acc_hi[tt][b], wa[tt].z, wb[tt].z, wa[tt].w, wb[tt].w, xv[b].z, xv[b].w);
       }
     }
   }

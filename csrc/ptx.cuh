@@ -97,18 +97,6 @@ __device__ __forceinline__ void cp_async_commit() {
 #endif
 }
 
-// ldmatrix.x4: four 8x8 bf16 matrices from shared memory in the mma fragment layout; lanes 8m..8m+7
-// give the shared-space addresses of matrix m's 8 rows (16 B each), r[m] is the lane's fragment of
-// matrix m (row lane / 4, columns 2 (lane % 4), + 1).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-#endif
-}
-
 // Waits until at most `kPending` of this thread's committed groups are still in flight.
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
