@@ -1,26 +1,21 @@
 // The wide GEMV: decodex::gemv's kernel for M = 9..64 rows of x (the plain epilogue: bias and
-// accumulate, no RMS scale), the batched decode step's products above 8 rows. gemv.cu's kernel
-// serves M <= 8 and the fused epilogues; both share the mma fragment trick described there.
+// accumulate, no RMS scale), the batched decode step's products above 8 rows, on warpgroup MMA
+// (wgmma, sm_90a). gemv.cu's kernel serves M <= 8 and the fused epilogues.
 //
-// Why a second kernel: at M = 64 a product does 64 multiply-adds per weight element, so the x side
-// of the mma, not the weight stream, is what a GEMV built for M <= 8 runs out of. Read from L1/L2
-// per warp, x costs 4x the weight's bytes; there the 8-row kernel reached 39-52% of the read
-// bandwidth where cuBLAS reached 64-86% (bench/RESULTS.md, session 9). Here:
-//  * x lives in shared memory. The block's warps all take the same k-range of x, staged in chunks
-//    of 256 k (all M rows, zero-filled past M, past the block's k-range and past K) by cp.async into
-//    a double buffer; each warp reads its mma fragments from there. A chunk row is 256 + 32 bf16
-//    (576 B, 64 mod 128), so the 16-byte loads of a quarter warp (two rows x 64 B) hit all 32 banks.
-//  * A warp owns T tiles of 16 weight rows (T = 1 or 2), so each x fragment read feeds T tiles.
-//  * The weights stream through registers as in gemv.cu (16 B per lane per row, rows g and g + 8,
-//    k = step * 32 + 8t), double-buffered: trip i + 1's U k-steps are loaded before trip i's mmas.
-//    With prefetch_weight the first trip is loaded before griddepcontrol.wait.
-//  * Split-K over the c blocks of a thread-block cluster (c = 1, 2, 4 or 8): each block's partials go
-//    to its shared memory; after a cluster barrier, rank r sums values r, r + c, ... of every
-//    block in rank order (a fixed order: results are deterministic) and stores them.
-// Each block of 8 x rows is the n = 8 of its own two mmas per k-step, so a row's result does not
-// depend on the other rows or their number (for a given configuration).
-// The host picks (T, c, U) per shape: a table measured on the H200 for the Qwen2.5 shapes, else a
-// rule of thumb; DECODEX_GEMV_WIDE_CONFIG="t,c" (or "N,K:t,c;...") forces one, for sweeps.
+// Why: at 64 rows a product does 64 multiply-adds per weight element. mma.sync kernels, every
+// fragment through registers, ran out of instruction issue there (bench/RESULTS.md, session 13).
+// wgmma reads both operands from shared memory, 64 x BN x 16 per instruction:
+//  * A block is one warpgroup (128 threads) and BN = 64 or 128 weight rows. D[64 x BN] = x . W^T
+//    with A = x (64 rows; rows past M are zeros) and B = the weight tile, both K-major.
+//  * A ring of 4 stages, each 64 k of x (8 KB) and of the weight tile (BN x 128 B), filled by
+//    cp.async in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), 3 stages
+//    ahead; with prefetch_weight the first 3 stages' weights are requested before
+//    griddepcontrol.wait.
+//  * Split-K over the c blocks of a thread-block cluster (c = 1, 2, 4 or 8): each block's fp32
+//    results go to its shared memory; after a cluster barrier, rank r sums its share of them over
+//    the blocks in rank order (a fixed order: deterministic) and stores bf16, 8 outputs a thread.
+// A row's result does not depend on the other rows (for a given configuration).
+// DECODEX_GEMV_WIDE_CONFIG="t,c" (or "N,K:t,c;...") forces BN = 64 t and c, for sweeps.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -35,22 +30,7 @@
 namespace decodex {
 namespace {
 
-constexpr int kWarps = 4;                    // warps per block
-constexpr int kTileRows = 16;                // weight rows per tile: the mma's m
-constexpr int kStepK = 32;                   // k per warp step: 4 lanes x 8 bf16
-constexpr int kChunkK = 256;                 // k of x per staged chunk
-constexpr int kChunkSteps = kChunkK / kStepK;
-constexpr int kRowStride = kChunkK + 32;     // bf16 per staged x row (576 B = 64 mod 128)
 constexpr int kMaxCluster = 8;
-constexpr int kRing = 8;                     // k-steps of weights a warp keeps in flight (+ 1 in use)
-
-// Dynamic shared memory: the x double buffer (reused after the main loop for the block's results),
-// then the warps' weight rings (kRing steps of T tiles x 2 halves x 512 B).
-constexpr int smem_x_bytes(int mb) { return 2 * mb * 8 * kRowStride * 2; }
-constexpr int smem_bytes(int mb, int t) {
-  const int red = mb * 8 * (kWarps * t * kTileRows + 4) * 4;
-  return (smem_x_bytes(mb) > red ? smem_x_bytes(mb) : red) + kWarps * kRing * t * 2 * 512;
-}
 
 // 8 consecutive bf16 of out at p, `valid` (1..8) of them: one 16-byte access when vec (p 16-byte
 // aligned) and all 8 are there, else element by element (the rest zeros / not stored). Plain
@@ -78,183 +58,207 @@ __device__ __forceinline__ void store_out8(__nv_bfloat16* p, const uint4& v, int
   }
 }
 
-// Grid: ceil(tiles / (kWarps * T)) * c blocks of kWarps warps; clusters of (c, 1, 1) when c > 1.
-// Block b: tile group b / c, cluster rank (k-range) b % c of c ranges that split ceil(K/32) k-steps
-// as evenly as integers allow. Warp w: tiles (group * kWarps + w) * T + 0..T-1.
-// Shared memory: the x double buffer (reused for the results at the end), then each warp's ring of
-// kRing k-steps of its weight fragments.
-template <int MB, int T>
-__global__ void __launch_bounds__(kWarps * 32)
+// d[64 x 64] += A[64 x 16] * B[16 x 64] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
+// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
+// wgmma_commit; d is not valid until wgmma_wait.
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+#else
+  (void)d; (void)desc_a; (void)desc_b;
+  __trap();  // sm_90a only; the host sends nothing here otherwise
+#endif
+}
+
+// d[64 x 128] += A[64 x 16] * B[16 x 128] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
+// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
+// wgmma_commit; d is not valid until wgmma_wait.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+#else
+  (void)d; (void)desc_a; (void)desc_b;
+  __trap();  // sm_90a only; the host sends nothing here otherwise
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Makes this thread's generic-proxy writes to shared memory (cp.async's) visible to the async proxy
+// (wgmma's operand reads).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// wgmma shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 128 B
+// (64 bf16 of k), 16-byte chunk c of row r stored at chunk c ^ (r % 8), groups of 8 rows 1024 B
+// apart (the tile 1024-byte aligned). addr: the tile, plus 32 B per k16 step into the row.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+template <int BN>
+__device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], uint64_t da, uint64_t db) {
+  if constexpr (BN == 128) {
+    wgmma_m64n128k16(d, da, db);
+  } else {
+    wgmma_m64n64k16(d, da, db);
+  }
+}
+
+constexpr int kStageK = 64;   // k a stage: one 128-byte swizzle row
+constexpr int kStages = 4;    // ring depth (3 stages in flight while one is multiplied)
+constexpr int kThreads = 128; // one warpgroup
+constexpr int smem_bytes(int bn) { return kStages * (bn + 64) * 128 + 1024; }  // + alignment slack
+
+// Grid: ceil(N / BN) * c blocks of one warpgroup; clusters of (c, 1, 1) when c > 1. Block b: weight
+// rows (b / c) * BN ..., cluster rank (k-range) b % c of c ranges that split ceil(K / 64) stages.
+// D[64 x BN] = x[64 x k] . W[BN x k]^T by wgmma: A = x (rows past m_rows zero), B = the weight tile,
+// both staged by cp.async into a ring of kStages (x, W) tiles in the 128-byte swizzle.
+template <int BN>
+__global__ void __launch_bounds__(kThreads)
 gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], rows 16 B aligned
                  const __nv_bfloat16* __restrict__ weight,  // [N, ldw]
                  const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr
                  __nv_bfloat16* __restrict__ out,           // [m_rows, ldo]
                  int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int m_rows, int c,
                  bool prefetch_weight, bool accumulate, bool vec_out) {
-  // A chunk of x is staged with the weights kChunkSteps k-steps ahead of its use, which the ring's
-  // wait (kRing - 1 steps ahead) covers only if kRing <= kChunkSteps + 1.
-  static_assert(kRing <= kChunkSteps + 1, "the ring's wait must cover the x chunk staged with it");
-  constexpr int kBufElems = MB * 8 * kRowStride;
-  constexpr int kBlockRows = kWarps * T * kTileRows;
-  constexpr int kRedStride = kBlockRows + 4;  // floats a row of x in the partials
-  constexpr int kPieces = MB * 8 * kBlockRows / 8;
-  constexpr int kPiecesPerThread = (kPieces + kWarps * 32 - 1) / (kWarps * 32);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(16) unsigned char smem[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+  constexpr int kWBytes = BN * 128, kStageBytes = kWBytes + 64 * 128;
+  constexpr int kRedStride = BN + 4;  // floats a row of x in the results
+  constexpr int kPieces = 64 * BN / 8;
+  constexpr int kPiecesPerThread = kPieces / kThreads;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rank = static_cast<int>(blockIdx.x) % c;
-  const int tile0 = (static_cast<int>(blockIdx.x) / c * kWarps + warp) * T;
-  const int ksteps = (K + kStepK - 1) / kStepK;
+  const int row0 = static_cast<int>(blockIdx.x) / c * BN;
+  const int ksteps = (K + kStageK - 1) / kStageK;
   const int s_begin = static_cast<int>(static_cast<int64_t>(rank) * ksteps / c);
   const int s_end = static_cast<int>(static_cast<int64_t>(rank + 1) * ksteps / c);
   const int steps = s_end - s_begin;
 
-  // Weight rows g and g + 8 of each tile (clamped so no out-of-range pointer is formed; absent
-  // rows are zero-filled).
-  // Per-step work is kept to a few instructions (the loop is issue-bound at 8 warps an SM): every
-  // address below is set up once and advanced by a constant.
-  const __nv_bfloat16* wrow[T][2];  // lane's k = s_begin * 32 + 8t of weight rows g, g + 8
-  bool wok[T][2];
-#pragma unroll
-  for (int tt = 0; tt < T; ++tt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = (tile0 + tt) * kTileRows + g + 8 * h;
-      wok[tt][h] = row < N;
-      wrow[tt][h] = weight + static_cast<int64_t>(min(row, N - 1)) * ldw + (s_begin * kStepK + t * 8);
-    }
-  }
-  // Steps whose 16 bytes at k = (s_begin + i) * 32 + 8t this lane copies: i < w_steps (k < K).
-  const int w_steps = min(steps, (K - t * 8 + kStepK - 1) / kStepK - s_begin);
-  // The warp's ring: slot (step % kRing, tile, half) holds each lane's 16 B, lane after lane, so a
-  // lane reads back exactly what its own cp.async wrote (no barrier, only its own wait).
-  unsigned char* ring = smem + smem_x_bytes(MB) + warp * kRing * T * 2 * 512 + lane * 16;
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  auto slot = [&](int i, int tt, int h) { return ((i % kRing * T + tt) * 2 + h) * 512; };
-  // Step i (from s_begin) of the weights into its slot; zeros past s_end, K and N.
+  // Copies: thread tid moves 16-byte chunk q = tid % 8 of tile rows tid / 8 + 16j (x and W alike).
+  const int q = tid & 7, r0 = tid >> 3;
+  const uint32_t swz = static_cast<uint32_t>(r0 * 128 + ((q ^ (r0 & 7)) << 4));
+  const int k_lim = K - s_begin * kStageK - q * 8;  // stage i's chunk exists while i * 64 < k_lim
+  const int w_rows = N - row0 - r0, x_rows = m_rows - r0;  // rows r0 + 16j exist for 16j < these
+  const __nv_bfloat16* wsrc = weight + static_cast<int64_t>(min(row0 + r0, N - 1)) * ldw + s_begin * kStageK + q * 8;
+  const __nv_bfloat16* xsrc = x + static_cast<int64_t>(min(r0, m_rows - 1)) * ldx + s_begin * kStageK + q * 8;
   auto issue_weights = [&](int i) {
-    const bool in = i < w_steps;
+    const uint32_t dst = base + static_cast<uint32_t>((i % kStages) * kStageBytes) + swz;
+    const bool in = i < steps && i * kStageK < k_lim;
 #pragma unroll
-    for (int tt = 0; tt < T; ++tt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const bool ok = in && wok[tt][h];
-        cp_async16_l2_256(ring_s + slot(i, tt, h), ok ? wrow[tt][h] + i * kStepK : weight, ok ? 16u : 0u);
-      }
+    for (int j = 0; j < BN / 16; ++j) {
+      const bool ok = in && 16 * j < w_rows;
+      cp_async16_l2_256(dst + j * 16 * 128, ok ? wsrc + 16 * j * ldw + i * kStageK : weight, ok ? 16u : 0u);
     }
   };
-  // Chunk ch (k-steps s_begin + ch * kChunkSteps ...) of all MB * 8 rows into buffer ch & 1; zeros
-  // past m_rows, s_end and K. Thread p copies piece q = p % 32 (k-step q / 4, 8 k at (q % 4) * 8)
-  // of rows p / 32 + 4j.
-  constexpr int kPiecesRow = kChunkSteps * 4;  // 16-byte pieces a row
-  static_assert(kWarps * 32 % kPiecesRow == 0, "a thread copies one column of pieces");
-  constexpr int kRowsStep = kWarps * 32 / kPiecesRow, kRowsEach = MB * 8 / kRowsStep;
-  const int xq = static_cast<int>(threadIdx.x) % kPiecesRow, xr = static_cast<int>(threadIdx.x) / kPiecesRow;
-  const __nv_bfloat16* xsrc = x + static_cast<int64_t>(xr) * ldx + s_begin * kStepK + xq * 8;
-  const int x_rows = (m_rows - xr + kRowsStep - 1) / kRowsStep;  // rows j < x_rows exist
-  const uint32_t xdst = static_cast<uint32_t>(__cvta_generic_to_shared(xs)) +
-                        static_cast<uint32_t>((xr * kRowStride + xq * 8) * 2);
-  auto stage_x = [&](int ch) {
-    const int step = ch * kChunkSteps + xq / 4;  // from s_begin
-    const bool col = step < steps && (s_begin + step) * kStepK + (xq % 4) * 8 < K;
-    const __nv_bfloat16* src = xsrc + ch * kChunkK;
-    const uint32_t dst = xdst + static_cast<uint32_t>((ch & 1) * kBufElems * 2);
+  auto issue_x = [&](int i) {
+    const uint32_t dst = base + static_cast<uint32_t>((i % kStages) * kStageBytes + kWBytes) + swz;
+    const bool in = i < steps && i * kStageK < k_lim;
 #pragma unroll
-    for (int j = 0; j < kRowsEach; ++j) {
-      const bool ok = col && j < x_rows;
-      cp_async16(dst + static_cast<uint32_t>(j * kRowsStep * kRowStride * 2),
-                 ok ? src + static_cast<int64_t>(j) * kRowsStep * ldx : x, ok ? 16u : 0u);
+    for (int j = 0; j < 4; ++j) {
+      const bool ok = in && 16 * j < x_rows;
+      cp_async16(dst + j * 16 * 128, ok ? xsrc + 16 * j * ldx + i * kStageK : x, ok ? 16u : 0u);
     }
   };
 
-  // Two accumulator sets (the pairs 0,1 and 2,3 of each 16-byte load), as in gemv.cu.
-  float acc_lo[T][MB][4], acc_hi[T][MB][4];
+  float d[BN / 2];
 #pragma unroll
-  for (int tt = 0; tt < T; ++tt) {
-#pragma unroll
-    for (int b = 0; b < MB; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_lo[tt][b][i] = acc_hi[tt][b][i] = 0.f;
-    }
-  }
-  // The first kRing - 1 steps of weights, one cp.async group each; with prefetch_weight before
-  // griddepcontrol.wait (the weight does not depend on the kernel ahead).
+  for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+  // The first kStages - 1 stages; with prefetch_weight their weights before griddepcontrol.wait (x,
+  // which the kernel ahead writes, after it). One cp.async group a stage (the first also holds the
+  // early weights).
   if (prefetch_weight) {
-    for (int i = 0; i < kRing - 1; ++i) {
-      issue_weights(i);
-      cp_async_commit();
-    }
+    for (int i = 0; i < kStages - 1; ++i) issue_weights(i);
   }
   pdl_begin();
-  if (!prefetch_weight) {
-    for (int i = 0; i < kRing - 1; ++i) {
-      issue_weights(i);
-      cp_async_commit();
-    }
-  }
-  stage_x(0);
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  // Step i: wait for the group of step i - kRing + 1 (its weights: step i), and at a chunk start
-  // for every thread's x pieces (staged 8 steps before); then queue step i + kRing - 1's weights
-  // (and, at a chunk start, the next chunk of x into the buffer the last chunk used), then the mmas.
-  for (int i = 0; i < steps; ++i) {
-    const int ci = i % kChunkSteps;
-    if (i > 0) {
-      cp_async_wait<kRing - 2>();
-      if (ci == 0) __syncthreads();  // chunk i / 8 visible; chunk i / 8 - 1 read by every warp
-    }
-    issue_weights(i + kRing - 1);
-    if (ci == 0 && i + kChunkSteps < steps) stage_x(i / kChunkSteps + 1);
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (!prefetch_weight) issue_weights(i);
+    issue_x(i);
     cp_async_commit();
-    uint4 wa[T], wb[T];
+  }
+  for (int i = 0; i < steps; ++i) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of stage i have landed
+    fence_proxy_async_shared();    // ... and are visible to wgmma
+    __syncthreads();               // every thread's; and every warp is done with stage i - 1
+    issue_weights(i + kStages - 1);  // into stage i - 1's slot
+    issue_x(i + kStages - 1);
+    cp_async_commit();
+    const uint32_t st = base + static_cast<uint32_t>((i % kStages) * kStageBytes);
+    wgmma_fence();
 #pragma unroll
-    for (int tt = 0; tt < T; ++tt) {
-      wa[tt] = *reinterpret_cast<const uint4*>(ring + slot(i, tt, 0));
-      wb[tt] = *reinterpret_cast<const uint4*>(ring + slot(i, tt, 1));
+    for (int kk = 0; kk < kStageK / 16; ++kk) {
+      wgmma_step<BN>(d, smem_desc_sw128(st + kWBytes + kk * 32), smem_desc_sw128(st + kk * 32));
     }
-    const __nv_bfloat16* xb =
-        xs + (i / kChunkSteps & 1) * kBufElems + g * kRowStride + ci * kStepK + t * 8;
-    uint4 xv[MB];  // B column g of block b = x row 8b + g; the same physical k as the weights
-#pragma unroll
-    for (int b = 0; b < MB; ++b) xv[b] = *reinterpret_cast<const uint4*>(xb + 8 * b * kRowStride);
-    // All first halves, then all second halves: 2 * T * MB independent chains, none waiting on
-    // the mma just issued (ptxas keeps the mmas in this order).
-#pragma unroll
-    for (int b = 0; b < MB; ++b) {
-#pragma unroll
-      for (int tt = 0; tt < T; ++tt) {
-        mma_bf16_16816(acc_lo[tt][b], wa[tt].x, wb[tt].x, wa[tt].y, wb[tt].y, xv[b].x, xv[b].y);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < MB; ++b) {
-#pragma unroll
-      for (int tt = 0; tt < T; ++tt) {
-        mma_bf16_16816(acc_hi[tt][b], wa[tt].z, wb[tt].z, wa[tt].w, wb[tt].w, xv[b].z, xv[b].w);
-      }
-    }
+    wgmma_commit();
+    wgmma_wait_all();
   }
   cp_async_wait<0>();  // the zero-fills queued past the end
-  __syncthreads();     // every warp is done with x: its buffers take the results
+  __syncthreads();     // every warp is done with the ring: it takes the results
 
-  // The block's results, [x row n][block row] in fp32 (rows padded to kRedStride so the fragment
-  // stores hit distinct banks), in the shared memory the x chunks are done with. Lane (g, t) holds
-  // rows g, g + 8 of each tile for x rows 8b + 2t, 8b + 2t + 1 (the mma's d fragment).
+  // The block's results, [x row n][block row] in fp32. Thread (warp w, g, t) holds x rows 16w + g
+  // (+ 8) and weight rows 8j + 2t (+ 1) of the tile (the wgmma accumulator layout).
   float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int tt = 0; tt < T; ++tt) {
+  for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-    for (int b = 0; b < MB; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int n = 8 * b + 2 * t + (i & 1), rl = (warp * T + tt) * kTileRows + g + 8 * (i >> 1);
-        red[n * kRedStride + rl] = acc_lo[tt][b][i] + acc_hi[tt][b][i];
-      }
+    for (int h = 0; h < 2; ++h) {
+      const int n = 16 * warp + g + 8 * h;
+      *reinterpret_cast<float2*>(red + n * kRedStride + 8 * j + 2 * t) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
     }
   }
   namespace cg = cooperative_groups;
@@ -263,24 +267,23 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   } else {
     __syncthreads();
   }
-  // The stores go by pieces of 8 consecutive weight rows of one x row: piece p = n * (kBlockRows / 8)
-  // + rows / 8. Rank r takes pieces [r, r + 1) * kPieces / c and sums them over the cluster's blocks
+  // The stores go by pieces of 8 consecutive weight rows of one x row: piece p = n * (BN / 8) +
+  // rows / 8. Rank r takes pieces [r, r + 1) * kPieces / c and sums them over the cluster's blocks
   // in rank order (a fixed order: deterministic).
   const int lo = rank * kPieces / c, hi = (rank + 1) * kPieces / c;
-  const int row_base = static_cast<int>(blockIdx.x) / c * kBlockRows;
   float y[kPiecesPerThread][8];
   uint4 old[kPiecesPerThread];
 #pragma unroll
   for (int pi = 0; pi < kPiecesPerThread; ++pi) {
-    const int p = lo + static_cast<int>(threadIdx.x) + pi * kWarps * 32;
-    const int n = p / (kBlockRows / 8), rl = p % (kBlockRows / 8) * 8, row = row_base + rl;
+    const int p = lo + tid + pi * kThreads;
+    const int n = p / (BN / 8), rl = p % (BN / 8) * 8, row = row0 + rl;
     const bool ok = p < hi && n < m_rows && row < N;
 #pragma unroll
     for (int e = 0; e < 8; ++e) y[pi][e] = 0.f;
     old[pi] = make_uint4(0u, 0u, 0u, 0u);
     if (!ok) continue;
-    for (int q = 0; q < c; ++q) {
-      const float* part = (c > 1 ? cg::this_cluster().map_shared_rank(red, q) : red) + n * kRedStride + rl;
+    for (int r = 0; r < c; ++r) {
+      const float* part = (c > 1 ? cg::this_cluster().map_shared_rank(red, r) : red) + n * kRedStride + rl;
       const float4 a = *reinterpret_cast<const float4*>(part), b = *reinterpret_cast<const float4*>(part + 4);
       y[pi][0] += a.x, y[pi][1] += a.y, y[pi][2] += a.z, y[pi][3] += a.w;
       y[pi][4] += b.x, y[pi][5] += b.y, y[pi][6] += b.z, y[pi][7] += b.w;
@@ -290,8 +293,8 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   if (c > 1) cg::this_cluster().sync();  // the other blocks' shared memory outlives these reads
 #pragma unroll
   for (int pi = 0; pi < kPiecesPerThread; ++pi) {
-    const int p = lo + static_cast<int>(threadIdx.x) + pi * kWarps * 32;
-    const int n = p / (kBlockRows / 8), rl = p % (kBlockRows / 8) * 8, row = row_base + rl;
+    const int p = lo + tid + pi * kThreads;
+    const int n = p / (BN / 8), rl = p % (BN / 8) * 8, row = row0 + rl;
     if (!(p < hi && n < m_rows && row < N)) continue;
     // Rounded as gemv.cu's kStore: the product (+ bias) to bf16, then (accumulate) the sum again.
     const __nv_bfloat16* olds = reinterpret_cast<const __nv_bfloat16*>(&old[pi]);
@@ -309,63 +312,28 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   }
 #else
   pdl_begin();
-  __trap();  // clusters and cp.async with PDL: the host sends M > 8 here on sm_90 only
+  __trap();  // wgmma: sm_90a only; the host sends M > 8 here only on such a build
 #endif
 }
 
 // ---- host ----
 
 struct WideConfig {
-  int t, c;  // tiles per warp, blocks per cluster (split-K)
+  int t, c;  // weight rows a block: 64 t (t = 1 or 2); blocks per cluster (split-K)
 };
 
 using WideKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, bool, bool,
                             bool);
 
-// x rows rounded up to a multiple of 16: MB = 2, 4, 6 or 8 blocks of 8.
-int wide_blocks(int m) { return (m + 15) / 16 * 2; }
-
-template <int T>
-WideKernel wide_kernel_t(int mb) {
-  switch (mb) {
-    case 2: return gemv_wide_kernel<2, T>;
-    case 4: return gemv_wide_kernel<4, T>;
-    case 6: return gemv_wide_kernel<6, T>;
-    case 8: return gemv_wide_kernel<8, T>;
-    default: return nullptr;
-  }
-}
-
-WideKernel wide_kernel(int m, const WideConfig& cf) {
-  const int mb = wide_blocks(m);
-  return cf.t == 1 ? wide_kernel_t<1>(mb) : cf.t == 2 ? wide_kernel_t<2>(mb) : nullptr;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Configurations measured fastest on the H200 (`python -m bench.gemv --sweep --ms 16,32,64`), per
-// range of M: 9..16, 17..32, 33..64. Other shapes take the rule of thumb below.
-struct TunedWide {
-  int64_t N, K;
-  WideConfig m16, m32, m64;
-};
-constexpr TunedWide kTuned[] = {
-    {0, 0, {1, 1}, {1, 1}, {1, 1}},  // placeholder: filled from the sweep
-};
-
-// Rule of thumb: two tiles a warp when there are at least 8 tile groups of 8 an SM (big N), else
-// one; then the smallest cluster (split-K) that gives about two blocks an SM, keeping at least one
-// chunk of k-steps per block.
-WideConfig choose_wide(int64_t N, int64_t K, int m, int sms) {
-  for (const TunedWide& tw : kTuned) {
-    const WideConfig& cf = m <= 16 ? tw.m16 : m <= 32 ? tw.m32 : tw.m64;
-    if (tw.N == N && tw.K == K) return cf;
-  }
-  const int64_t tiles = ceil_div(N, kTileRows), ksteps = ceil_div(K, kStepK);
-  WideConfig cf{tiles >= int64_t{8} * kWarps * 2 * sms ? 2 : 1, 1};
-  const int64_t groups = ceil_div(tiles, int64_t{kWarps} * cf.t);
-  while (cf.c < kMaxCluster && groups * cf.c < 2 * sms && ksteps / (2 * cf.c) >= kChunkSteps) cf.c *= 2;
+// Rule of thumb: 128 weight rows a block; then the smallest cluster (split-K) that gives about two
+// blocks an SM, keeping at least 4 stages of k per block.
+WideConfig choose_wide(int64_t N, int64_t K, int sms) {
+  WideConfig cf{2, 1};
+  const int64_t groups = ceil_div(N, 64 * cf.t), ksteps = ceil_div(K, kStageK);
+  while (cf.c < kMaxCluster && groups * cf.c < 2 * sms && ksteps / (2 * cf.c) >= 4) cf.c *= 2;
   return cf;
 }
 
@@ -387,17 +355,14 @@ void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_
     DX_CHECK(cf.c == 1 || cf.c == 2 || cf.c == 4 || cf.c == 8,
              "DECODEX_GEMV_WIDE_CONFIG: c must be 1, 2, 4 or 8, got ", cf.c);
   } else {
-    thread_local std::map<std::array<int64_t, 4>, WideConfig> chosen;  // one choice per shape
-    const std::array<int64_t, 4> key{N, K, wide_blocks(static_cast<int>(M)), device};
+    thread_local std::map<std::array<int64_t, 3>, WideConfig> chosen;  // one choice per shape
+    const std::array<int64_t, 3> key{N, K, device};
     auto it = chosen.find(key);
-    if (it == chosen.end()) {
-      it = chosen.emplace(key, choose_wide(N, K, static_cast<int>(M), sm_count(device))).first;
-    }
+    if (it == chosen.end()) it = chosen.emplace(key, choose_wide(N, K, sm_count(device))).first;
     cf = it->second;
   }
-  const WideKernel kernel = wide_kernel(static_cast<int>(M), cf);
-  DX_CHECK(kernel != nullptr, "decodex::gemv: no wide kernel for ", M, " rows, t=", cf.t);
-  const int smem = smem_bytes(wide_blocks(static_cast<int>(M)), cf.t);
+  const WideKernel kernel = cf.t == 2 ? gemv_wide_kernel<128> : gemv_wide_kernel<64>;
+  const int smem = smem_bytes(64 * cf.t);
   thread_local std::set<WideKernel> allowed;  // kernels whose shared-memory limit is raised
   if (allowed.insert(kernel).second) {
     DX_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess,
@@ -405,9 +370,9 @@ void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_
   }
   // 16-byte stores of 8 outputs: out 16-byte aligned with rows a multiple of 8 elements apart.
   const bool vec_out = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.stride(0) % 8 == 0;
-  const int64_t blocks = ceil_div(ceil_div(N, kTileRows), int64_t{kWarps} * cf.t) * cf.c;
+  const int64_t blocks = ceil_div(N, 64 * cf.t) * cf.c;
   const cudaError_t err = launch_pdl_clusters(
-      kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarps * 32), static_cast<size_t>(smem),
+      kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem),
       current_stream(), static_cast<unsigned>(cf.c), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), M == 1 ? int64_t{0} : x.stride(0),
