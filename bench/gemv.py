@@ -48,7 +48,7 @@ TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "GB/s", "% of bw",
            "speedup"]
 ENV = "DECODEX_GEMV_CONFIG"
-WIDE_ENV = "DECODEX_GEMV_WIDE_CONFIG"  # the wide kernel's (M > 8)
+WIDE_ENV = "DECODEX_GEMV_WIDE_CONFIG"  # the wgmma kernel's (M > 16)
 
 
 def _copies(nbytes: int) -> int:
@@ -161,8 +161,8 @@ def _configs(N: int, K: int, clusters: bool):
 
 
 def _wide_configs(K: int):
-    """Every (t, c) of the wide kernel (M > 8) whose cluster ranks all get at least one k-step."""
-    ksteps = -(-K // 32)
+    """Every (t, c) of the wgmma kernel (M > 16) whose cluster ranks all get at least one k-stage."""
+    ksteps = -(-K // 64)
     for t in (1, 2):
         for c in (1, 2, 4, 8):
             if c <= ksteps:
@@ -183,7 +183,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             continue
         weights = _stack(N, K)
         for M in ms:
-            env, configs, fields = ((WIDE_ENV, _wide_configs(K), "t,c") if M > 8 else
+            env, configs, fields = ((WIDE_ENV, _wide_configs(K), "t,c") if M > 16 else
                                     (ENV, _configs(N, K, clusters), "wr,wk,c,u"))
             os.environ.pop(env, None)
             default = _time_ours(weights, M, reps=10, prefetch_weight=True)

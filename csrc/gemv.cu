@@ -774,7 +774,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const GemvOptions options =
       gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
-  if (M > kMaxRows && std::getenv("DECODEX_GEMV_WIDE_OLD") == nullptr) {  // SCRATCH A/B switch
+  if (M > kWgmmaMinRows && gemv_wgmma_available(x.get_device())) {
     launch_gemv_wide(x, weight, bias_ptr, out, options);
     return;
   }

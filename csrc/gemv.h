@@ -60,8 +60,12 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                  const GemvOptions& options, const RopeAppendArgs& rope = {});
 
-// The wide GEMV (csrc/gemv_wide.cu): gemv's kStore product for 9..kMaxRowsWide rows of x, checked
-// by the caller.
+// The wgmma GEMV (csrc/gemv_wide.cu): gemv's kStore product for kWgmmaMinRows + 1 .. kMaxRowsWide
+// rows of x, checked by the caller. It needs a build with sm_90a code (DECODEX_SM90A, set by
+// setup.py) and a device of compute capability 9.0; elsewhere gemv.cu's wide variants serve those
+// rows. At 9..16 rows gemv.cu's are faster on the small products (bench/RESULTS.md, session 13).
+constexpr int kWgmmaMinRows = 16;
+bool gemv_wgmma_available(int device);
 void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_bfloat16* bias,
                       at::Tensor& out, const GemvOptions& options);
 

@@ -1,6 +1,7 @@
-// The wide GEMV: decodex::gemv's kernel for M = 9..64 rows of x (the plain epilogue: bias and
-// accumulate, no RMS scale), the batched decode step's products above 8 rows, on warpgroup MMA
-// (wgmma, sm_90a). gemv.cu's kernel serves M <= 8 and the fused epilogues.
+// The wgmma GEMV: decodex::gemv's kernel for M = 17..64 rows of x (the plain epilogue: bias and
+// accumulate, no RMS scale), the batched decode step's products above 16 rows, on warpgroup MMA
+// (wgmma, sm_90a builds on compute capability 9.0: gemv_wgmma_available). gemv.cu's kernels serve
+// the rest: M <= 16, the fused epilogues, other builds and devices.
 //
 // Why: at 64 rows a product does 64 multiply-adds per weight element. mma.sync kernels, every
 // fragment through registers, ran out of instruction issue there (bench/RESULTS.md, session 13).
@@ -35,7 +36,7 @@ constexpr int kMaxCluster = 8;
 // 8 consecutive bf16 of out at p, `valid` (1..8) of them: one 16-byte access when vec (p 16-byte
 // aligned) and all 8 are there, else element by element (the rest zeros / not stored). Plain
 // coherent accesses: out is written in this kernel.
-__device__ __forceinline__ uint4 load_out8(const __nv_bfloat16* p, int valid, bool vec) {
+[[maybe_unused]] __device__ __forceinline__ uint4 load_out8(const __nv_bfloat16* p, int valid, bool vec) {
   if (vec && valid == 8) return *reinterpret_cast<const uint4*>(p);
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   __nv_bfloat16* e = reinterpret_cast<__nv_bfloat16*>(&v);
@@ -46,7 +47,7 @@ __device__ __forceinline__ uint4 load_out8(const __nv_bfloat16* p, int valid, bo
   return v;
 }
 
-__device__ __forceinline__ void store_out8(__nv_bfloat16* p, const uint4& v, int valid, bool vec) {
+[[maybe_unused]] __device__ __forceinline__ void store_out8(__nv_bfloat16* p, const uint4& v, int valid, bool vec) {
   if (vec && valid == 8) {
     *reinterpret_cast<uint4*>(p) = v;
     return;
@@ -56,93 +57,6 @@ __device__ __forceinline__ void store_out8(__nv_bfloat16* p, const uint4& v, int
   for (int i = 0; i < 8; ++i) {
     if (i < valid) p[i] = e[i];
   }
-}
-
-// d[64 x 64] += A[64 x 16] * B[16 x 64] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
-// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
-// wgmma_commit; d is not valid until wgmma_wait.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-#else
-  (void)d; (void)desc_a; (void)desc_b;
-  __trap();  // sm_90a only; the host sends nothing here otherwise
-#endif
-}
-
-// d[64 x 128] += A[64 x 16] * B[16 x 128] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
-// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
-// wgmma_commit; d is not valid until wgmma_wait.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-#else
-  (void)d; (void)desc_a; (void)desc_b;
-  __trap();  // sm_90a only; the host sends nothing here otherwise
-#endif
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_wait_all() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-// Makes this thread's generic-proxy writes to shared memory (cp.async's) visible to the async proxy
-// (wgmma's operand reads).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// wgmma shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 128 B
-// (64 bf16 of k), 16-byte chunk c of row r stored at chunk c ^ (r % 8), groups of 8 rows 1024 B
-// apart (the tile 1024-byte aligned). addr: the tile, plus 32 B per k16 step into the row.
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
 template <int BN>
@@ -171,11 +85,11 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
                  __nv_bfloat16* __restrict__ out,           // [m_rows, ldo]
                  int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int m_rows, int c,
                  bool prefetch_weight, bool accumulate, bool vec_out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kWBytes = BN * 128, kStageBytes = kWBytes + 64 * 128;
   constexpr int kRedStride = BN + 4;  // floats a row of x in the results
   constexpr int kPieces = 64 * BN / 8;
   constexpr int kPiecesPerThread = kPieces / kThreads;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -312,7 +226,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   }
 #else
   pdl_begin();
-  __trap();  // wgmma: sm_90a only; the host sends M > 8 here only on such a build
+  __trap();  // wgmma: sm_90a only; gemv_wgmma_available keeps the host from sending work here
 #endif
 }
 
@@ -328,25 +242,36 @@ using WideKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Rule of thumb: 128 weight rows a block; then the smallest cluster (split-K) that gives about two
-// blocks an SM, keeping at least 4 stages of k per block.
+// 64 weight rows a block, and the smallest cluster (split-K) that puts blocks on about 0.7 of the
+// SMs, keeping at least 2 stages of k a block. This matches the best configuration of every
+// Qwen2.5 product swept at 64 rows (bench/RESULTS.md, session 13; at 32 rows the 1.5B down and
+// 7B gate|up were 1-3% faster with twice the c).
 WideConfig choose_wide(int64_t N, int64_t K, int sms) {
-  WideConfig cf{2, 1};
-  const int64_t groups = ceil_div(N, 64 * cf.t), ksteps = ceil_div(K, kStageK);
-  while (cf.c < kMaxCluster && groups * cf.c < 2 * sms && ksteps / (2 * cf.c) >= 4) cf.c *= 2;
+  WideConfig cf{1, 1};
+  const int64_t groups = ceil_div(N, 64), ksteps = ceil_div(K, kStageK);
+  while (cf.c < kMaxCluster && 10 * groups * cf.c < 7 * sms && ksteps / (2 * cf.c) >= 1) cf.c *= 2;
   return cf;
 }
 
 }  // namespace
+
+bool gemv_wgmma_available(int device) {
+#if defined(DECODEX_SM90A)
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device) == 9 &&
+         device_attribute<cudaDevAttrComputeCapabilityMinor>(device) == 0;
+#else
+  (void)device;
+  return false;
+#endif
+}
 
 void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_bfloat16* bias,
                       at::Tensor& out, const GemvOptions& options) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
   const int device = x.get_device();
-  DX_CHECK(device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9,
-           "decodex::gemv: more than 8 rows of x need a GPU of compute capability 9.0 or newer ",
-           "(thread-block clusters); got x of shape ", x.sizes(), ", use F.linear there");
+  DX_CHECK(gemv_wgmma_available(device), "decodex::gemv: the wgmma kernel needs an sm_90a build ",
+           "and a device of compute capability 9.0");
   WideConfig cf{};
   int fields[2];
   if (config_from_env("DECODEX_GEMV_WIDE_CONFIG", "t,c", N, K, fields, 2)) {
