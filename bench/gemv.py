@@ -164,7 +164,7 @@ def _wide_configs(K: int):
     """Every (t, c) of the wgmma kernel (M > 16) whose cluster ranks all get at least one k-stage."""
     ksteps = -(-K // 64)
     for t in (1, 2):
-        for c in (1, 2, 4, 8):
+        for c in (1, 2, 4, 8, 16):
             if c <= ksteps:
                 yield f"{t},{c}"
 

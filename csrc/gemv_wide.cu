@@ -12,7 +12,8 @@
 //    cp.async in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), 3 stages
 //    ahead; with prefetch_weight the first 3 stages' weights are requested before
 //    griddepcontrol.wait.
-//  * Split-K over the c blocks of a thread-block cluster (c = 1, 2, 4 or 8): each block's fp32
+//  * Split-K over the c blocks of a thread-block cluster (c = 1, 2, 4 or 8; 16, a non-portable
+//    size, only when forced, for sweeps of the small-N products): each block's fp32
 //    results go to its shared memory; after a cluster barrier, rank r sums its share of them over
 //    the blocks in rank order (a fixed order: deterministic) and stores bf16, 8 outputs a thread.
 // A row's result does not depend on the other rows (for a given configuration).
@@ -23,6 +24,7 @@
 #include <array>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "common.h"
 #include "gemv.h"
@@ -277,8 +279,8 @@ void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_
   if (config_from_env("DECODEX_GEMV_WIDE_CONFIG", "t,c", N, K, fields, 2)) {
     cf = {fields[0], fields[1]};
     DX_CHECK(cf.t == 1 || cf.t == 2, "DECODEX_GEMV_WIDE_CONFIG: t must be 1 or 2, got ", cf.t);
-    DX_CHECK(cf.c == 1 || cf.c == 2 || cf.c == 4 || cf.c == 8,
-             "DECODEX_GEMV_WIDE_CONFIG: c must be 1, 2, 4 or 8, got ", cf.c);
+    DX_CHECK(cf.c == 1 || cf.c == 2 || cf.c == 4 || cf.c == 8 || cf.c == 16,
+             "DECODEX_GEMV_WIDE_CONFIG: c must be 1, 2, 4, 8 or 16, got ", cf.c);
   } else {
     thread_local std::map<std::array<int64_t, 3>, WideConfig> chosen;  // one choice per shape
     const std::array<int64_t, 3> key{N, K, device};
@@ -288,10 +290,14 @@ void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_
   }
   const WideKernel kernel = cf.t == 2 ? gemv_wide_kernel<128> : gemv_wide_kernel<64>;
   const int smem = smem_bytes(64 * cf.t);
-  thread_local std::set<WideKernel> allowed;  // kernels whose shared-memory limit is raised
-  if (allowed.insert(kernel).second) {
+  // The attributes are host-side state of the current device (no stream work, fine during CUDA-graph
+  // capture): set once per device and kernel.
+  thread_local std::set<std::pair<WideKernel, int>> allowed;
+  if (allowed.insert({kernel, device}).second) {
     DX_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess,
              "decodex::gemv: could not allow ", smem, " bytes of shared memory for the wide kernel");
+    DX_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess,
+             "decodex::gemv: could not allow clusters of 16 for the wide kernel");
   }
   // 16-byte stores of 8 outputs: out 16-byte aligned with rows a multiple of 8 elements apart.
   const bool vec_out = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.stride(0) % 8 == 0;

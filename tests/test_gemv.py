@@ -190,7 +190,7 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
 
 # Every variant of the wgmma kernel (M > 16), forced: (t, c). Includes clusters of every size, ranks
 # with no k-stages (c > ceil(K / 64)), k-ranges of several stages, spare rows past N.
-WIDE_CONFIGS = ["1,1", "2,1", "1,2", "2,2", "1,4", "2,4", "1,8", "2,8"]
+WIDE_CONFIGS = ["1,1", "2,1", "1,2", "2,2", "1,4", "2,4", "1,8", "2,8", "1,16"]
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -219,7 +219,7 @@ def test_gemv_bad_wide_config_override(monkeypatch):
     if not SM90:
         pytest.skip("the wgmma kernel needs a device of compute capability 9.0")
     x, w, b = _inputs(32, 64, 64)
-    for bad in ["3,1", "0,1", "1,3", "1,16", "nonsense", "1", "1,1,2", "64,64:1", "64,64:1,1;",
+    for bad in ["3,1", "0,1", "1,3", "1,32", "nonsense", "1", "1,1,2", "64,64:1", "64,64:1,1;",
                 "64,64:1,1;junk"]:
         monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_WIDE_CONFIG"):
