@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from bench.common import bench_main, copies_for, fused_row
 
 SHAPES = [("1.5B", 8960, 1536), ("7B", 18944, 3584)]  # (model, I, K): weight [2I, K]
-MS = [1, 8]
+MS = [1, 8, 32, 64]  # above 8 only where gemv_silu_mul takes them (its wgmma kernel: sm_90a, cc 9.0)
 TITLE = "gemv_silu_mul: fused vs decodex gemv + silu_mul vs cuBLAS + torch, L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "fused us", "gemv+silu_mul us", "cuBLAS+torch us", "GB/s", "% of bw",
            "vs unfused", "vs cuBLAS"]
@@ -27,10 +27,11 @@ def rows(bandwidth_gbs: float) -> list[list]:
 
     out = []
     bf = dict(device="cuda", dtype=torch.bfloat16)
+    max_rows = torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device())
     for model, I, K in SHAPES:
         nbytes = 2 * 2 * I * K
         ws = [torch.randn(2 * I, K, **bf) / K**0.5 for _ in range(copies_for(nbytes))]
-        for M in MS:
+        for M in (m for m in MS if m <= max_rows):
             x = torch.randn(M, K, **bf)
             gate_up, act = torch.empty(M, 2 * I, **bf), torch.empty(M, I, **bf)
 

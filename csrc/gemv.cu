@@ -775,7 +775,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
       gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
   if (M > kWgmmaMinRows && gemv_wgmma_available(x.get_device())) {
-    launch_gemv_wide(x, weight, bias_ptr, out, options);
+    launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
     return;
   }
   launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
@@ -783,15 +783,27 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps) {
-  check_gemv_x_weight("gemv_silu_mul", x, weight, out);
+  check_gemv_x_weight("gemv_silu_mul", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), rows = weight.size(0);
+  DX_CHECK(M <= gemv_silu_mul_max_rows(x.get_device()), "decodex::gemv_silu_mul: more than ",
+           kMaxRows, " rows of x need the wgmma kernel (an sm_90a build on a device of compute ",
+           "capability 9.0); got x of shape ", x.sizes(), " (pass at most ", kMaxRows, " rows a call)");
   DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   const GemvOptions options =
       gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps);
   if (rows == 0) return;
+  if (M > kMaxRows) {
+    launch_gemv_wide("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
+    return;
+  }
   launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
+}
+
+int64_t gemv_silu_mul_max_rows(int64_t device) {
+  DX_CHECK(device >= 0, "gemv_silu_mul_max_rows: device must be a CUDA device index, got ", device);
+  return gemv_wgmma_available(static_cast<int>(device)) ? kMaxRowsWide : kMaxRows;
 }
 
 }  // namespace decodex

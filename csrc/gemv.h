@@ -60,14 +60,17 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                  const GemvOptions& options, const RopeAppendArgs& rope = {});
 
-// The wgmma GEMV (csrc/gemv_wide.cu): gemv's kStore product for kWgmmaMinRows + 1 .. kMaxRowsWide
-// rows of x, checked by the caller. It needs a build with sm_90a code (DECODEX_SM90A, set by
-// setup.py) and a device of compute capability 9.0; elsewhere gemv.cu's wide variants serve those
-// rows. At 9..16 rows gemv.cu's are faster on the small products (bench/RESULTS.md, session 13).
+// The wgmma GEMV (csrc/gemv_wide.cu): gemv's kStore product (no rms_eps) for kWgmmaMinRows + 1 ..
+// kMaxRowsWide rows of x, and gemv_silu_mul's kSiluMul product (rms_eps allowed) for 9 ..
+// kMaxRowsWide rows, checked by the caller (`op` names it). It needs a build with sm_90a code
+// (DECODEX_SM90A, set by setup.py) and a device of compute capability 9.0; elsewhere gemv.cu's
+// wide variants serve gemv's rows and gemv_silu_mul takes at most 8. At 9..16 rows gemv.cu's are
+// faster on the small products (bench/RESULTS.md, session 13).
 constexpr int kWgmmaMinRows = 16;
 bool gemv_wgmma_available(int device);
-void launch_gemv_wide(const at::Tensor& x, const at::Tensor& weight, const __nv_bfloat16* bias,
-                      at::Tensor& out, const GemvOptions& options);
+void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                      const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
+                      const GemvOptions& options);
 
 // A configuration forced through the environment variable `var` for tuning sweeps: "v1,...,vcount"
 // for every shape, or entries "N,K:v1,...,vcount" separated by ';' for the weight shapes [N, K]

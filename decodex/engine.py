@@ -509,6 +509,8 @@ class CudaGraphRunner(HostLoop):
                             for n in self.sizes}
             ws = max(n * H * self._splits[n] * (D + 2) for n in self.sizes)
             self._workspace = torch.empty(ws, dtype=torch.float32, device=dev)
+            # The rows one gemv_silu_mul takes here: 64 where its wgmma kernel runs, else 8.
+            self._silu_rows = int(torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device()))
             # Host side: the pinned ring the tokens land in, one event per slot.
             self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
@@ -644,9 +646,13 @@ class CudaGraphRunner(HostLoop):
 
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
-        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or a product (cuBLAS
-        or the wide gemv) then silu_mul."""
-        if self._plan(n, "gate_up") in WIDE_PLANS:
+        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul (over 8-row chunks, or
+        by the "gemv" plan all n rows at once where it takes them), or a product (cuBLAS or the wide
+        gemv) then silu_mul."""
+        plan = self._plan(n, "gate_up")
+        if plan == "gemv" and n <= self._silu_rows:
+            torch.ops.decodex.gemv_silu_mul(x, w, act, prefetch_weight=True, rms_eps=rms_eps)
+        elif plan in WIDE_PLANS:
             self._linear(n, "gate_up", x, w, None, self.gate_up[:n])
             # With rms_eps, x is the residual: the product's rows are scaled by 1/rms(x) first.
             torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=None if rms_eps is None else x,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs
+from helpers import capture_graph, norm_inputs, wgmma_available
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer sizes, no cuBLAS check
 
@@ -120,7 +120,9 @@ def test_gemv_wide_rows_independent(monkeypatch):
     """Among the rows the wgmma kernel takes (M > 16) a row's result is the same bits whatever the
     other rows and their number: 64 rows at once equal two calls of 32, and the first 17 of them one
     call of 17. (Up to 16 rows gemv.cu's kernels run, whose summation order differs.)"""
-    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "1,4")
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "1,4,4")
     M, N, K = 64, 1536, 8960
     x, w, b = _inputs(M, N, K)
     wide = _gemv(x, w, b, _poisoned(M, N))
@@ -188,10 +190,13 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
     _check(out, x, w, b)
 
 
-# Every variant of the wgmma kernel (M > 16), forced: (t, c). Includes clusters of every size, ranks
-# with no k-stages (c > ceil(K / 64)), k-ranges of several stages, spare rows past N.
-WIDE_CONFIGS = ["1,1", "2,1", "1,2", "2,2", "1,4", "2,4", "1,8", "2,8", "1,16"]
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# Every variant of the wgmma kernel (M > 16), forced: (t, c, s). Includes both ring depths, clusters
+# of every size, ranks with no k-stages (c > ceil(K / 64)), k-ranges of several stages, spare rows
+# past N.
+WIDE_CONFIGS = ["1,1,4", "2,1,8", "1,2,8", "2,2,4", "1,4,4", "2,4,8", "1,8,8", "2,8,4", "1,16,4",
+                "2,16,8"]
+WGMMA = wgmma_available()
+NO_WGMMA = "the wgmma kernel needs an sm_90a build and a device of compute capability 9.0"
 
 
 @pytest.mark.gpu
@@ -200,8 +205,8 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 @pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960), (2048, 264)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemv_wide_every_variant(monkeypatch, config, M, N, K, accumulate):
-    if not SM90:
-        pytest.skip("the wgmma kernel needs a device of compute capability 9.0")
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
     monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", config)
     x, w, b = _inputs(M, N, K, bias=True)
     if accumulate:
@@ -216,11 +221,11 @@ def test_gemv_wide_every_variant(monkeypatch, config, M, N, K, accumulate):
 
 @pytest.mark.gpu
 def test_gemv_bad_wide_config_override(monkeypatch):
-    if not SM90:
-        pytest.skip("the wgmma kernel needs a device of compute capability 9.0")
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
     x, w, b = _inputs(32, 64, 64)
-    for bad in ["3,1", "0,1", "1,3", "1,32", "nonsense", "1", "1,1,2", "64,64:1", "64,64:1,1;",
-                "64,64:1,1;junk"]:
+    for bad in ["3,1,4", "0,1,4", "1,3,4", "1,32,4", "1,1,2", "1,1,16", "nonsense", "1", "1,1",
+                "1,1,4,4", "64,64:1,1", "64,64:1,1,4;", "64,64:1,1,4;junk"]:
         monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_WIDE_CONFIG"):
             _gemv(x, w, b, _poisoned(32, 64))
