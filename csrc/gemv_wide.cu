@@ -185,7 +185,12 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
     if (rms) {  // while the tensor cores work: the squares of the x chunks this thread copied
       const unsigned char* xs = smem + (i % S) * kStageBytes + kWBytes + swz;  // (zeros past K)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) ss[j] = add_squares8(*reinterpret_cast<const bf16x8*>(xs + j * 16 * 128), ss[j]);
+      for (int j = 0; j < 4; ++j) {
+        const uint4 v = *reinterpret_cast<const uint4*>(xs + j * 16 * 128);  // one 16-byte load
+        bf16x8 b;
+        memcpy(&b, &v, sizeof(b));
+        ss[j] = add_squares8(b, ss[j]);
+      }
     }
     wgmma_wait_all();
   }
@@ -318,14 +323,17 @@ WideKernel wide_kernel(const WideConfig& cf) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// 64 weight rows a block, a ring of 4, and the smallest cluster (split-K) that puts blocks on about
-// 0.7 of the SMs, keeping at least 2 stages of k a block. This matches the best configuration of
-// every Qwen2.5 product swept at 64 rows (bench/RESULTS.md, session 13; at 32 rows the 1.5B down
-// and 7B gate|up were 1-3% faster with twice the c). `rows`: the weight's rows (2I for kSiluMul).
+// 64 weight rows a block and the smallest cluster (split-K) that puts blocks on about 0.7 of the SMs,
+// keeping at least 2 stages of k a block. Then a ring of 8 where the grid fits one block an SM (its
+// 128 KB allow no more) and each block has at least 12 stages of k to stream, else 4 (3 blocks an
+// SM). This matches the best configuration swept at 64 rows for every Qwen2.5 product but the
+// 1.5B qkv (1,2,8: 3% faster than the 1,4,4 chosen) (bench/RESULTS.md, sessions 13 and 14).
+// `rows`: the weight's rows (2I for kSiluMul).
 WideConfig choose_wide(int64_t rows, int64_t K, int sms) {
   WideConfig cf{1, 1, 4};
   const int64_t groups = ceil_div(rows, 64), ksteps = ceil_div(K, kStageK);
   while (cf.c < kMaxCluster && 10 * groups * cf.c < 7 * sms && ksteps / (2 * cf.c) >= 1) cf.c *= 2;
+  if (groups * cf.c <= sms && ksteps / cf.c >= 12) cf.s = 8;
   return cf;
 }
 
