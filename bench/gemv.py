@@ -161,14 +161,14 @@ def _configs(N: int, K: int, clusters: bool):
 
 
 def _wide_configs(K: int):
-    """Every (t, c, s) of the wgmma kernel (M > 16) whose cluster ranks all get at least one
+    """Every (bn, c, s) of the wgmma kernel (M > 16) whose cluster ranks all get at least one
     k-stage."""
     ksteps = -(-K // 64)
-    for t in (1, 2):
-        for c in (1, 2, 4, 8, 16):
+    for bn in (64, 96, 128, 144):
+        for c in (1, 2, 3, 4, 6, 8, 16):
             for s in (4, 8):
                 if c <= ksteps:
-                    yield f"{t},{c},{s}"
+                    yield f"{bn},{c},{s}"
 
 
 def sweep(only: str | None = None, ms=(1, 8)) -> None:
@@ -185,7 +185,7 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             continue
         weights = _stack(N, K)
         for M in ms:
-            env, configs, fields = ((WIDE_ENV, _wide_configs(K), "t,c,s") if M > 16 else
+            env, configs, fields = ((WIDE_ENV, _wide_configs(K), "bn,c,s") if M > 16 else
                                     (ENV, _configs(N, K, clusters), "wr,wk,c,u"))
             os.environ.pop(env, None)
             default = _time_ours(weights, M, reps=10, prefetch_weight=True)

@@ -9,7 +9,8 @@
 // Why: at 64 rows a product does 64 multiply-adds per weight element. mma.sync kernels, every
 // fragment through registers, ran out of instruction issue there (bench/RESULTS.md, session 13).
 // wgmma reads both operands from shared memory, 64 x BN x 16 per instruction:
-//  * A block is one warpgroup (128 threads) and BN = 64 or 128 weight rows. D[64 x BN] = x . W^T
+//  * A block is one warpgroup (128 threads) and BN = 64, 96, 128 or 144 weight rows (the sizes let a
+//    product's blocks spread evenly over the SMs: see choose_wide). D[64 x BN] = x . W^T
 //    with A = x (64 rows; rows past M are zeros) and B = the weight tile, both K-major.
 //  * A ring of S = 4 or 8 stages, each 64 k of x (8 KB) and of the weight tile (BN x 128 B), filled
 //    by cp.async in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), S - 1
@@ -22,8 +23,8 @@
 //    results go to its shared memory; after a cluster barrier, rank r sums its share of them over
 //    the blocks in rank order (a fixed order: deterministic) and stores bf16, 8 outputs a thread.
 // A row's result does not depend on the other rows (for a given configuration).
-// DECODEX_GEMV_WIDE_CONFIG="t,c,s" (or "N,K:t,c,s;...", N the weight rows) forces BN = 64 t, c
-// and S, for sweeps.
+// DECODEX_GEMV_WIDE_CONFIG="bn,c,s" (or "N,K:bn,c,s;...", N the weight rows) forces BN, c and S,
+// for sweeps.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -67,12 +68,16 @@ constexpr int kMaxCluster = 8;
   }
 }
 
+// d[64 x BN] += x tile (desc_a) . weight tile^T, one k16 step: BN = 64 or 128 in one wgmma, 96 and
+// 144 as 64 + 32 and 128 + 16 (the second over tile rows 64 / 128 on, whose accumulators continue
+// d's layout). w: the weight tile's address plus the k16 step's 32 B.
 template <int BN>
-__device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], uint64_t da, uint64_t db) {
-  if constexpr (BN == 128) {
-    wgmma_m64n128k16(d, da, db);
-  } else {
-    wgmma_m64n64k16(d, da, db);
+__device__ __forceinline__ void wgmma_tile(float (&d)[BN / 2], uint64_t desc_a, uint32_t w) {
+  constexpr int kHead = BN >= 128 ? 128 : 64, kTail = BN - kHead;
+  wgmma_m64k16<kHead>(reinterpret_cast<float(&)[kHead / 2]>(d[0]), desc_a, smem_desc_sw128(w));
+  if constexpr (kTail > 0) {
+    wgmma_m64k16<kTail>(reinterpret_cast<float(&)[kTail / 2]>(d[kHead / 2]), desc_a,
+                        smem_desc_sw128(w + kHead * 128));
   }
 }
 
@@ -100,7 +105,8 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   constexpr int kWBytes = BN * 128, kStageBytes = kWBytes + 64 * 128;
   constexpr int kRedStride = BN + 4;  // floats a row of x in the results
   constexpr int kPieces = 64 * BN / 8;  // kStore's pieces of 8 outputs (kSiluMul: half of them)
-  constexpr int kPiecesPerThread = kPieces / kThreads;
+  constexpr int kPiecesPerThread = kPieces / kThreads, kSiluPiecesPerThread = (kPieces / 2 + kThreads - 1) / kThreads;
+  static_assert(BN % 16 == 0 && kPieces % kThreads == 0, "BN: a multiple of 16");
   static_assert(64 * kRedStride * 4 + 64 * 4 <= S * kStageBytes, "the results outgrow the ring");
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -127,7 +133,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   unsigned w_ok = 0;  // bit j: tile row r0 + 16j is a weight row
 #pragma unroll
   for (int j = 0; j < BN / 16; ++j) {
-    const bool up = silu && 16 * j >= BN / 2;
+    const bool up = silu && r0 + 16 * j >= BN / 2;
     const int col = col0 + r0 + 16 * j - (up ? BN / 2 : 0);
     if (col < N) w_ok |= 1u << j;
     wsrc[j] = weight + (static_cast<int64_t>(min(col, N - 1)) + (up ? N : 0)) * ldw + s_begin * kStageK + q * 8;
@@ -179,7 +185,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kStageK / 16; ++kk) {
-      wgmma_step<BN>(d, smem_desc_sw128(st + kWBytes + kk * 32), smem_desc_sw128(st + kk * 32));
+      wgmma_tile<BN>(d, smem_desc_sw128(st + kWBytes + kk * 32), st + kk * 32);
     }
     wgmma_commit();
     if (rms) {  // while the tensor cores work: the squares of the x chunks this thread copied
@@ -242,7 +248,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   const int lo = rank * pieces / c, hi = (rank + 1) * pieces / c;
   if (silu) {
 #pragma unroll
-    for (int pi = 0; pi < kPiecesPerThread / 2; ++pi) {
+    for (int pi = 0; pi < kSiluPiecesPerThread; ++pi) {
       const int p = lo + tid + pi * kThreads;
       const int n = p / row_pieces, cl = p % row_pieces * 8, col = col0 + cl;
       if (!(p < hi && n < m_rows && col < N)) continue;
@@ -309,16 +315,25 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
 // ---- host ----
 
 struct WideConfig {
-  int t, c, s;  // weight rows a block: 64 t (t = 1 or 2); blocks per cluster (split-K); ring stages
+  int bn, c, s;  // weight rows a block (BN); blocks per cluster (split-K); ring stages (S)
 };
 
 using WideKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, bool, bool,
                             bool, bool, bool, float);
 
+template <int BN>
+WideKernel wide_kernel_bn(int s) {
+  return s == 8 ? gemv_wide_kernel<BN, 8> : gemv_wide_kernel<BN, 4>;
+}
+
 WideKernel wide_kernel(const WideConfig& cf) {
-  if (cf.t == 2) return cf.s == 8 ? gemv_wide_kernel<128, 8> : gemv_wide_kernel<128, 4>;
-  return cf.s == 8 ? gemv_wide_kernel<64, 8> : gemv_wide_kernel<64, 4>;
+  switch (cf.bn) {
+    case 64: return wide_kernel_bn<64>(cf.s);
+    case 96: return wide_kernel_bn<96>(cf.s);
+    case 128: return wide_kernel_bn<128>(cf.s);
+    default: return wide_kernel_bn<144>(cf.s);
+  }
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -330,7 +345,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // 1.5B qkv (1,2,8: 3% faster than the 1,4,4 chosen) (bench/RESULTS.md, sessions 13 and 14).
 // `rows`: the weight's rows (2I for kSiluMul).
 WideConfig choose_wide(int64_t rows, int64_t K, int sms) {
-  WideConfig cf{1, 1, 4};
+  WideConfig cf{64, 1, 4};
   const int64_t groups = ceil_div(rows, 64), ksteps = ceil_div(K, kStageK);
   while (cf.c < kMaxCluster && 10 * groups * cf.c < 7 * sms && ksteps / (2 * cf.c) >= 1) cf.c *= 2;
   if (groups * cf.c <= sms && ksteps / cf.c >= 12) cf.s = 8;
@@ -365,11 +380,12 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
            "and a device of compute capability 9.0");
   WideConfig cf{};
   int fields[3];
-  if (config_from_env("DECODEX_GEMV_WIDE_CONFIG", "t,c,s", rows, K, fields, 3)) {
+  if (config_from_env("DECODEX_GEMV_WIDE_CONFIG", "bn,c,s", rows, K, fields, 3)) {
     cf = {fields[0], fields[1], fields[2]};
-    DX_CHECK(cf.t == 1 || cf.t == 2, "DECODEX_GEMV_WIDE_CONFIG: t must be 1 or 2, got ", cf.t);
-    DX_CHECK(cf.c == 1 || cf.c == 2 || cf.c == 4 || cf.c == 8 || cf.c == 16,
-             "DECODEX_GEMV_WIDE_CONFIG: c must be 1, 2, 4, 8 or 16, got ", cf.c);
+    DX_CHECK(cf.bn == 64 || cf.bn == 96 || cf.bn == 128 || cf.bn == 144,
+             "DECODEX_GEMV_WIDE_CONFIG: bn must be 64, 96, 128 or 144, got ", cf.bn);
+    DX_CHECK((cf.c >= 1 && cf.c <= kMaxCluster) || cf.c == 16,
+             "DECODEX_GEMV_WIDE_CONFIG: c must be 1..8 or 16, got ", cf.c);
     DX_CHECK(cf.s == 4 || cf.s == 8, "DECODEX_GEMV_WIDE_CONFIG: s must be 4 or 8, got ", cf.s);
   } else {
     thread_local std::map<std::array<int64_t, 3>, WideConfig> chosen;  // one choice per shape
@@ -379,7 +395,7 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
     cf = it->second;
   }
   const WideKernel kernel = wide_kernel(cf);
-  const int smem = smem_bytes(64 * cf.t, cf.s);
+  const int smem = smem_bytes(cf.bn, cf.s);
   // The attributes are host-side state of the current device (no stream work, fine during CUDA-graph
   // capture): set once per device and kernel.
   thread_local std::set<std::pair<WideKernel, int>> allowed;
@@ -391,7 +407,7 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
   }
   // 16-byte stores of 8 outputs: out 16-byte aligned with rows a multiple of 8 elements apart.
   const bool vec_out = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.stride(0) % 8 == 0;
-  const int64_t blocks = ceil_div(N, silu ? 32 * cf.t : 64 * cf.t) * cf.c;
+  const int64_t blocks = ceil_div(N, silu ? cf.bn / 2 : cf.bn) * cf.c;
   const cudaError_t err = launch_pdl_clusters(
       kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem),
       current_stream(), static_cast<unsigned>(cf.c), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
@@ -400,7 +416,7 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
       rows == 1 ? int64_t{0} : weight.stride(0), M == 1 ? int64_t{0} : out.stride(0), static_cast<int>(N),
       static_cast<int>(K), static_cast<int>(M), cf.c, options.prefetch_weight, options.accumulate,
       vec_out, silu, options.rms_eps.has_value(), options.rms_eps.value_or(0.f));
-  DX_CHECK(err == cudaSuccess, "decodex::", op, " wgmma kernel launch failed (t=", cf.t, ", c=", cf.c,
+  DX_CHECK(err == cudaSuccess, "decodex::", op, " wgmma kernel launch failed (bn=", cf.bn, ", c=", cf.c,
            ", s=", cf.s, "): ", cudaGetErrorString(err));
 }
 

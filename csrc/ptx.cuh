@@ -107,56 +107,43 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // ---- warpgroup MMA (sm_90a): the wgmma GEMV (csrc/gemv_wide.cu) ----
 
-// d[64 x 64] += A[64 x 16] * B[16 x 64] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
-// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
-// wgmma_commit; d is not valid until wgmma_wait.
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-#else
-  (void)d; (void)desc_a; (void)desc_b;
-  __trap();  // sm_90a only; the host sends nothing here otherwise
-#endif
-}
+// The accumulator operands of a wgmma: d[i .. i + n) as "+f", and their names %0 .. %(n - 1).
+#define DECODEX_D8(i) "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), \
+    "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define DECODEX_D16(i) DECODEX_D8(i), DECODEX_D8((i) + 8)
+#define DECODEX_D32(i) DECODEX_D16(i), DECODEX_D16((i) + 16)
+#define DECODEX_D64(i) DECODEX_D32(i), DECODEX_D32((i) + 32)
+#define DECODEX_R8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define DECODEX_R16 DECODEX_R8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define DECODEX_R32 DECODEX_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DECODEX_R64 DECODEX_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+// One wgmma.mma_async of shape m64nNk16 (bf16 in, fp32 accumulators, scale-d 1: d += A B): REGS the
+// accumulators' names, A / B / ONE the names of desc_a, desc_b and the constant 1 after them.
+#define DECODEX_WGMMA(N, REGS, A, B, ONE, DS)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, " A ", " B \
+               ", p, 1, 1, 0, 0;\n}\n"                                                        \
+               : DS : "l"(desc_a), "l"(desc_b), "r"(1))
 
-// d[64 x 128] += A[64 x 16] * B[16 x 128] (wgmma.mma_async, bf16 in, fp32 accumulators): A and B
-// K-major in shared memory, described by desc_a / desc_b. Must sit between wgmma_fence and
-// wgmma_commit; d is not valid until wgmma_wait.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+// d[64 x N] += A[64 x 16] * B[16 x N] (wgmma.mma_async, bf16 in, fp32 accumulators; N = 16, 32, 64
+// or 128): A and B K-major in shared memory, described by desc_a / desc_b. d in the wgmma
+// accumulator layout (thread (warp w, lane 4g + t) holds rows 16w + g (+ 8) and columns 8j + 2t
+// (+ 1) in d[4j + 2h + e]). Must sit between wgmma_fence and wgmma_commit; d is not valid until
+// wgmma_wait.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+  if constexpr (N == 16) {
+    DECODEX_WGMMA(16, DECODEX_R8, "%8", "%9", "%10", DECODEX_D8(0));
+  } else if constexpr (N == 32) {
+    DECODEX_WGMMA(32, DECODEX_R16, "%16", "%17", "%18", DECODEX_D16(0));
+  } else if constexpr (N == 64) {
+    DECODEX_WGMMA(64, DECODEX_R32, "%32", "%33", "%34", DECODEX_D32(0));
+  } else {
+    static_assert(N == 128, "wgmma_m64k16: N must be 16, 32, 64 or 128");
+    DECODEX_WGMMA(128, DECODEX_R64, "%64", "%65", "%66", DECODEX_D64(0));
+  }
 #else
   (void)d; (void)desc_a; (void)desc_b;
   __trap();  // sm_90a only; the host sends nothing here otherwise

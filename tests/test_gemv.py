@@ -122,7 +122,7 @@ def test_gemv_wide_rows_independent(monkeypatch):
     call of 17. (Up to 16 rows gemv.cu's kernels run, whose summation order differs.)"""
     if not WGMMA:
         pytest.skip(NO_WGMMA)
-    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "1,4,4")
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "64,4,4")
     M, N, K = 64, 1536, 8960
     x, w, b = _inputs(M, N, K)
     wide = _gemv(x, w, b, _poisoned(M, N))
@@ -190,11 +190,11 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
     _check(out, x, w, b)
 
 
-# Every variant of the wgmma kernel (M > 16), forced: (t, c, s). Includes both ring depths, clusters
-# of every size, ranks with no k-stages (c > ceil(K / 64)), k-ranges of several stages, spare rows
-# past N.
-WIDE_CONFIGS = ["1,1,4", "2,1,8", "1,2,8", "2,2,4", "1,4,4", "2,4,8", "1,8,8", "2,8,4", "1,16,4",
-                "2,16,8"]
+# Every variant of the wgmma kernel (M > 16), forced: (bn, c, s). Includes every block size and ring
+# depth, clusters of many sizes (3 and 6 too), ranks with no k-stages (c > ceil(K / 64)), k-ranges
+# of several stages, spare rows past N.
+WIDE_CONFIGS = ["64,1,4", "128,1,8", "96,2,8", "144,2,4", "64,3,4", "128,4,8", "96,6,4", "144,8,8",
+                "64,16,4", "128,16,8"]
 WGMMA = wgmma_available()
 NO_WGMMA = "the wgmma kernel needs an sm_90a build and a device of compute capability 9.0"
 
@@ -224,8 +224,8 @@ def test_gemv_bad_wide_config_override(monkeypatch):
     if not WGMMA:
         pytest.skip(NO_WGMMA)
     x, w, b = _inputs(32, 64, 64)
-    for bad in ["3,1,4", "0,1,4", "1,3,4", "1,32,4", "1,1,2", "1,1,16", "nonsense", "1", "1,1",
-                "1,1,4,4", "64,64:1,1", "64,64:1,1,4;", "64,64:1,1,4;junk"]:
+    for bad in ["32,1,4", "0,1,4", "65,1,4", "64,0,4", "64,9,4", "64,32,4", "64,1,2", "64,1,16",
+                "nonsense", "64", "64,1", "64,1,4,4", "64,64:64,1", "64,64:64,1,4;", "64,64:64,1,4;junk"]:
         monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_WIDE_CONFIG"):
             _gemv(x, w, b, _poisoned(32, 64))

@@ -22,12 +22,12 @@ MS = [1, 3, 8] if QUICK else [1, 2, 5, 8]
 # (I, K): Qwen2.5-1.5B's MLP (I 8960, K 1536), small and odd sizes.
 SHAPES = [(8, 8), (768, 136), (8960, 1536)] if QUICK else [(8, 8), (768, 136), (1536, 8960), (8960, 1536)]
 ODD_I = [1, 7, 769]
-# More than 8 rows: the wgmma kernel (an sm_90a build on a cc 9.0 device), every forced (t, c, s)
+# More than 8 rows: the wgmma kernel (an sm_90a build on a cc 9.0 device), every forced (bn, c, s)
 # variant below (as tests/test_gemv.py's WIDE_CONFIGS: both ring depths, every cluster size).
 WGMMA = wgmma_available()
 NO_WGMMA = "more than 8 rows need the wgmma kernel: an sm_90a build and a device of compute capability 9.0"
 WIDE_MS = [9, 17, 64] if QUICK else [9, 16, 17, 40, 64]
-WIDE_CONFIGS = ["1,1,4", "2,1,8", "1,2,8", "2,4,4", "1,8,8", "2,16,4"]
+WIDE_CONFIGS = ["64,1,4", "128,1,8", "96,2,8", "144,3,4", "64,8,8", "144,16,4"]
 
 
 def _inputs(M, I, K, device="cuda"):
