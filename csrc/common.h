@@ -204,11 +204,11 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute if `pdl` and, when
-// cluster_x > 1, thread-block clusters of (cluster_x, 1, 1) (sm_90); returns the launch error.
+// kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute and, when cluster_x > 1,
+// thread-block clusters of (cluster_x, 1, 1) (sm_90); returns the launch error.
 template <typename... Params, typename... Args>
-inline cudaError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                   cudaStream_t stream, unsigned cluster_x, bool pdl, Args&&... args) {
+inline cudaError_t launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                       cudaStream_t stream, unsigned cluster_x, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -223,7 +223,7 @@ inline cudaError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 bl
     attr[n].val.clusterDim.z = 1;
     ++n;
   }
-  if (pdl) {
+  if (pdl_enabled()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
@@ -231,14 +231,6 @@ inline cudaError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 bl
   cfg.attrs = attr;
   cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-// launch_clusters with the PDL attribute (unless DECODEX_PDL=0).
-template <typename... Params, typename... Args>
-inline cudaError_t launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                       cudaStream_t stream, unsigned cluster_x, Args&&... args) {
-  return launch_clusters(kernel, grid, block, smem, stream, cluster_x, pdl_enabled(),
-                         std::forward<Args>(args)...);
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute; returns the launch error.

@@ -30,8 +30,6 @@
 #include <algorithm>
 #include <array>
 #include <map>
-#include <cstdlib>
-#include <cstring>
 #include <set>
 #include <utility>
 
@@ -102,7 +100,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
                  __nv_bfloat16* __restrict__ out,           // [m_rows, ldo]
                  int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int m_rows, int c,
                  bool prefetch_weight, bool accumulate, bool vec_out, bool silu, bool rms,
-                 float rms_eps, bool late_trigger) {
+                 float rms_eps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kWBytes = BN * 128, kStageBytes = kWBytes + 64 * 128;
   constexpr int kRedStride = BN + 4;  // floats a row of x in the results
@@ -170,8 +168,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   if (prefetch_weight) {
     for (int i = 0; i < S - 1; ++i) issue_weights(i);
   }
-  pdl_wait();
-  if (!late_trigger) pdl_trigger();
+  pdl_begin();
   for (int i = 0; i < S - 1; ++i) {
     if (!prefetch_weight) issue_weights(i);
     issue_x(i);
@@ -203,7 +200,6 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
     }
     wgmma_wait_all();
   }
-  if (late_trigger) pdl_trigger();
   cp_async_wait<0>();  // the zero-fills queued past the end
   __syncthreads();     // every warp is done with the ring: it takes the results
 
@@ -324,7 +320,7 @@ struct WideConfig {
 
 using WideKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, bool, bool,
-                            bool, bool, bool, float, bool);
+                            bool, bool, bool, float);
 
 template <int BN>
 WideKernel wide_kernel_bn(int s) {
@@ -412,21 +408,14 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
   // 16-byte stores of 8 outputs: out 16-byte aligned with rows a multiple of 8 elements apart.
   const bool vec_out = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && out.stride(0) % 8 == 0;
   const int64_t blocks = ceil_div(N, silu ? cf.bn / 2 : cf.bn) * cf.c;
-  // DECODEX_WIDE_PDL (scratch A/B): "off" launches without PDL, "late" lets dependents launch only
-  // after the main loop.
-  static const int pdl_mode = [] {
-    const char* v = std::getenv("DECODEX_WIDE_PDL");
-    return v == nullptr ? 0 : std::strcmp(v, "off") == 0 ? 2 : std::strcmp(v, "late") == 0 ? 1 : 0;
-  }();
-  const cudaError_t err = launch_clusters(
+  const cudaError_t err = launch_pdl_clusters(
       kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem),
-      current_stream(), static_cast<unsigned>(cf.c), pdl_mode != 2 && pdl_enabled(),
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+      current_stream(), static_cast<unsigned>(cf.c), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), bias,
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), M == 1 ? int64_t{0} : x.stride(0),
       rows == 1 ? int64_t{0} : weight.stride(0), M == 1 ? int64_t{0} : out.stride(0), static_cast<int>(N),
       static_cast<int>(K), static_cast<int>(M), cf.c, options.prefetch_weight, options.accumulate,
-      vec_out, silu, options.rms_eps.has_value(), options.rms_eps.value_or(0.f), pdl_mode == 1);
+      vec_out, silu, options.rms_eps.has_value(), options.rms_eps.value_or(0.f));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " wgmma kernel launch failed (bn=", cf.bn, ", c=", cf.c,
            ", s=", cf.s, "): ", cudaGetErrorString(err));
 }
