@@ -98,6 +98,9 @@ DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for
 PLANS = ("cublas", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "gemv")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
+# Above this many rows decodex.gemv runs its wgmma kernel where there is one (csrc/gemv.h's
+# kWgmmaMinRows), and the "gemv" plan's gate|up is one gemv_silu_mul; up to it, gemv then silu_mul.
+WGMMA_MIN_ROWS = 16
 PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # The plans above 8 rows are refined with rows that read this many cache tokens (at most the
 # capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
@@ -647,10 +650,10 @@ class CudaGraphRunner(HostLoop):
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
         product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul (over 8-row chunks, or
-        by the "gemv" plan all n rows at once where it takes them), or a product (cuBLAS or the wide
-        gemv) then silu_mul."""
+        by the "gemv" plan all n rows at once where its wgmma kernel takes them, above
+        WGMMA_MIN_ROWS), or a product (cuBLAS or the wide gemv) then silu_mul."""
         plan = self._plan(n, "gate_up")
-        if plan == "gemv" and n <= self._silu_rows:
+        if plan == "gemv" and WGMMA_MIN_ROWS < n <= self._silu_rows:
             torch.ops.decodex.gemv_silu_mul(x, w, act, prefetch_weight=True, rms_eps=rms_eps)
         elif plan in WIDE_PLANS:
             self._linear(n, "gate_up", x, w, None, self.gate_up[:n])
