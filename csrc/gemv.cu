@@ -774,7 +774,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const GemvOptions options =
       gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
-  if (M > kWgmmaMinRows && gemv_wgmma_available(x.get_device())) {
+  if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
     return;
   }

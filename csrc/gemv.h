@@ -68,6 +68,10 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // faster on the small products (bench/RESULTS.md, session 13).
 constexpr int kWgmmaMinRows = 16;
 bool gemv_wgmma_available(int device);
+// Whether gemv's M rows of x times the weight [N, K] run on the wgmma kernel: where it is available,
+// above kWgmmaMinRows rows, except the small products (N <= 4608, K <= 4096) up to 32 rows; always
+// when DECODEX_GEMV_WIDE_CONFIG forces one of its configurations for the shape.
+bool gemv_prefers_wgmma(int64_t M, int64_t N, int64_t K, int device);
 void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& weight,
                       const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                       const GemvOptions& options);

@@ -376,6 +376,15 @@ bool gemv_wgmma_available(int device) {
 #endif
 }
 
+bool gemv_prefers_wgmma(int64_t M, int64_t N, int64_t K, int device) {
+  if (M <= kWgmmaMinRows || !gemv_wgmma_available(device)) return false;
+  int forced[3];
+  if (config_from_env("DECODEX_GEMV_WIDE_CONFIG", "bn,c,s", N, K, forced, 3)) return true;
+  // Up to 32 rows gemv.cu's wide kernels were faster on the small products (bench/RESULTS.md,
+  // session 14: the 1.5B qkv and o, the 7B qkv, in the decode step's plan timings).
+  return !(M <= 32 && N <= 4608 && K <= 4096);
+}
+
 void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& weight,
                       const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                       const GemvOptions& options) {
