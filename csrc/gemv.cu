@@ -633,7 +633,6 @@ bool config_from_env(const char* var, const char* fields, int64_t N, int64_t K, 
   return found;
 }
 
-
 void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
                          const at::Tensor& out, int64_t max_m) {
   DX_CHECK_CUDA(x);

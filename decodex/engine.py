@@ -20,11 +20,14 @@ rope_append writes nothing for it and decode_attention does no work for it, so d
 their (weight-bound, hence almost free) share of the GEMVs.
 
 Matrix products: decodex's fused GEMVs (rms_eps, gemv_rope_append, gemv_silu_mul) take at most 8
-rows; the plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever
-of three plans was fastest when timed once, at that graph's first capture, over all layers' weights
-of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all
-rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
-are a product then rope_append / silu_mul, which scale it by 1/rms(residual). The plans so chosen
+rows, and gemv_silu_mul up to 64 where its wgmma kernel runs (sm_90a build, cc 9.0 device); the
+plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of three
+plans was fastest when timed once, at that graph's first capture, over all layers' weights of that
+shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all rows, up
+to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two are a
+product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv" plan's
+gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with rms_eps,
+product, scale and activation in one wgmma kernel. The plans so chosen
 are then kept only if the whole step replays faster with them than with every product on cuBLAS,
 both timed with every row dead; last, each product's other plans are tried in turn with the rows
 reading the cache (attention at work, nothing appended), and a change is kept where the step gains
