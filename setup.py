@@ -1,7 +1,8 @@
 """Builds decodex._C, the CUDA kernels, as a torch extension with ninja.
 
-Works without a GPU: the architecture list is explicit (sm_90 by default; set TORCH_CUDA_ARCH_LIST,
-e.g. "9.0" or "9.0;10.0", to change it) and CUDA_HOME defaults to the toolkit nvcc belongs to.
+Works without a GPU: the architecture list is explicit (sm_90a by default: the batched GEMV uses
+Hopper's wgmma; set TORCH_CUDA_ARCH_LIST, e.g. "9.0a;10.0", to change it; without 9.0a the batched
+GEMV falls back to its mma.sync kernel) and CUDA_HOME defaults to the toolkit nvcc belongs to.
 The module uses Python's stable ABI (abi3), so one build serves every Python version.
 """
 import glob
@@ -11,7 +12,7 @@ import shutil
 from setuptools import setup
 
 # Before importing torch.utils.cpp_extension: it reads these at import time.
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
 if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
     for candidate in ("/usr/local/cuda-13.0", "/usr/local/cuda"):
         if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
@@ -49,6 +50,10 @@ nvcc_flags = [
     "-U__CUDA_NO_BFLOAT162_OPERATORS__",
     "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
 ]
+# The host code may send work to sm_90a-only kernels (wgmma) only when such code is built.
+_archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").split()
+SM90A = ["-DDECODEX_SM90A=1"] if "9.0a" in _archs else []
+nvcc_flags += SM90A
 if os.environ.get("DECODEX_PTXAS_VERBOSE"):
     nvcc_flags.append("-Xptxas=-v")
 
@@ -59,7 +64,7 @@ setup(
             sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={
-                "cxx": ["-O3", f"-std={CXX_STD}"],
+                "cxx": ["-O3", f"-std={CXX_STD}"] + SM90A,
                 "nvcc": nvcc_flags,
             },
             py_limited_api=True,

@@ -48,6 +48,7 @@ TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "GB/s", "% of bw",
            "speedup"]
 ENV = "DECODEX_GEMV_CONFIG"
+WIDE_ENV = "DECODEX_GEMV_WIDE_CONFIG"  # the wgmma kernel's (M > 16)
 
 
 def _copies(nbytes: int) -> int:
@@ -159,6 +160,17 @@ def _configs(N: int, K: int, clusters: bool):
                         yield f"{wr},{wk},{c},{u}"
 
 
+def _wide_configs(K: int):
+    """Every (bn, c, s) of the wgmma kernel (M > 16) whose cluster ranks all get at least one
+    k-stage."""
+    ksteps = -(-K // 64)
+    for bn in (64, 96, 128, 144):
+        for c in (1, 2, 3, 4, 6, 8, 16):
+            for s in (4, 8):
+                if c <= ksteps:
+                    yield f"{bn},{c},{s}"
+
+
 def sweep(only: str | None = None, ms=(1, 8)) -> None:
     """Per shape and M: the heuristic's time, then the best configurations found."""
     import decodex  # noqa: F401
@@ -173,18 +185,20 @@ def sweep(only: str | None = None, ms=(1, 8)) -> None:
             continue
         weights = _stack(N, K)
         for M in ms:
-            os.environ.pop(ENV, None)
+            env, configs, fields = ((WIDE_ENV, _wide_configs(K), "bn,c,s") if M > 16 else
+                                    (ENV, _configs(N, K, clusters), "wr,wk,c,u"))
+            os.environ.pop(env, None)
             default = _time_ours(weights, M, reps=10, prefetch_weight=True)
             results = []
-            for cfg in _configs(N, K, clusters):
-                os.environ[ENV] = cfg
+            for cfg in configs:
+                os.environ[env] = cfg
                 results.append((_time_ours(weights, M, reps=10, prefetch_weight=True), cfg))
-            os.environ.pop(ENV, None)
+            os.environ.pop(env, None)
             results.sort()
             floor = 2 * N * K / bw / 1e3
             best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
             print(f"{label} M={M}: floor {floor:.2f} us, heuristic {default:.2f} us, "
-                  f"best (wr,wk,c,u us): {best}", flush=True)
+                  f"best ({fields} us): {best}", flush=True)
         del weights
         torch.cuda.empty_cache()
 

@@ -26,9 +26,13 @@ TORCH_LIBRARY(decodex, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
         "float? rms_eps=None, bool accumulate=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
-  // silu_mul in one kernel (equal to them bit for bit); M <= 8, K % 8 == 0.
+  // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
+  // gemv_silu_mul_max_rows(x's device).
   m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "
         "float? rms_eps=None) -> ()");
+  // The most rows of x gemv_silu_mul takes on CUDA device `device`: 64 where its wgmma kernel runs
+  // (an sm_90a build on a device of compute capability 9.0), else 8.
+  m.def("gemv_silu_mul_max_rows(int device) -> int", &decodex::gemv_silu_mul_max_rows);
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.

@@ -42,6 +42,12 @@ inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_wei
   h.call(x, weight, out, prefetch_weight, rms_eps);
 }
 
+// The most rows of x gemv_silu_mul takes on CUDA device `device` (64 or 8).
+inline int64_t gemv_silu_mul_max_rows(int64_t device) {
+  static auto h = detail::op<int64_t(int64_t)>("decodex::gemv_silu_mul_max_rows");
+  return h.call(device);
+}
+
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {
   static auto h = detail::op<void(const T&, const T&, double, T&)>("decodex::rms_norm");
   h.call(x, weight, eps, out);

@@ -589,41 +589,49 @@ GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
 // shape, or entries "N,K:wr,wk,c,u" separated by ';' for the shapes they name (N = weight rows, so
 // gate|up is 2I; a shape not named keeps its usual choice).
 bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
-  const char* env = std::getenv("DECODEX_GEMV_CONFIG");
-  if (env == nullptr || *env == '\0') return false;
-  const bool per_shape = std::strchr(env, ':') != nullptr;
-  bool found = false;  // every entry is checked, wherever the match is
-  for (const char* p = env; *p != '\0';) {
-    long long n = 0, k = 0;
-    GemvConfig o{};
-    int used = 0;
-    const bool parsed =
-        per_shape ? std::sscanf(p, "%lld,%lld:%d,%d,%d,%d%n", &n, &k, &o.wr, &o.wk, &o.c, &o.u,
-                                &used) == 6
-                  : std::sscanf(p, "%d,%d,%d,%d%n", &o.wr, &o.wk, &o.c, &o.u, &used) == 4;
-    DX_CHECK(parsed && (p[used] == '\0' || (per_shape && p[used] == ';')),
-             "DECODEX_GEMV_CONFIG must be \"wr,wk,c,u\" or \"N,K:wr,wk,c,u;...\", got \"", env,
-             "\"");
-    DX_CHECK(o.wr >= 1 && o.wk >= 1 && o.wr * o.wk <= kMaxWarps && o.c >= 1 &&
-                 o.c <= kMaxCluster && (o.u == 4 || o.u == 8) && (clusters || o.c == 1),
-             "DECODEX_GEMV_CONFIG=\"", env, "\": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ",
-             kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
-    if (!found && (!per_shape || (n == N && k == K))) {  // the first entry naming the shape
-      cf = o;
-      found = true;
-    }
-    p += used;
-    if (*p == ';') {
-      ++p;
-      DX_CHECK(*p != '\0', "DECODEX_GEMV_CONFIG=\"", env, "\" ends with ';'");
-    }
-  }
-  return found;
+  int v[4];
+  if (!config_from_env("DECODEX_GEMV_CONFIG", "wr,wk,c,u", N, K, v, 4)) return false;
+  cf = {v[0], v[1], v[2], v[3]};
+  DX_CHECK(cf.wr >= 1 && cf.wk >= 1 && cf.wr * cf.wk <= kMaxWarps && cf.c >= 1 &&
+               cf.c <= kMaxCluster && (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1),
+           "DECODEX_GEMV_CONFIG=\"", std::getenv("DECODEX_GEMV_CONFIG"), "\": need wr*wk <= ",
+           kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
+  return true;
 }
 
 }  // namespace
 
 // ---- host: the shared checks and launcher (gemv.h) ----
+
+bool config_from_env(const char* var, const char* fields, int64_t N, int64_t K, int* values,
+                     int count) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return false;
+  const bool per_shape = std::strchr(env, ':') != nullptr;
+  bool found = false;  // every entry is checked, wherever the match is
+  for (const char* p = env; *p != '\0';) {
+    long long n = 0, k = 0;
+    int used = 0, v[8] = {};
+    bool parsed = !per_shape || (std::sscanf(p, "%lld,%lld:%n", &n, &k, &used) == 2 && used > 0);
+    for (int i = 0; parsed && i < count; ++i) {
+      int more = 0;
+      parsed = std::sscanf(p + used, i == 0 ? "%d%n" : ",%d%n", &v[i], &more) == 1;
+      used += more;
+    }
+    DX_CHECK(parsed && used > 0 && (p[used] == '\0' || (per_shape && p[used] == ';')), var,
+             " must be \"", fields, "\" or \"N,K:", fields, ";...\", got \"", env, "\"");
+    if (!found && (!per_shape || (n == N && k == K))) {  // the first entry naming the shape
+      std::copy(v, v + count, values);
+      found = true;
+    }
+    p += used;
+    if (*p == ';') {
+      ++p;
+      DX_CHECK(*p != '\0', var, "=\"", env, "\" ends with ';'");
+    }
+  }
+  return found;
+}
 
 void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
                          const at::Tensor& out, int64_t max_m) {
@@ -765,20 +773,36 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const GemvOptions options =
       gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
+  if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
+    launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
+    return;
+  }
   launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps) {
-  check_gemv_x_weight("gemv_silu_mul", x, weight, out);
+  check_gemv_x_weight("gemv_silu_mul", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), rows = weight.size(0);
+  DX_CHECK(M <= gemv_silu_mul_max_rows(x.get_device()), "decodex::gemv_silu_mul: more than ",
+           kMaxRows, " rows of x need the wgmma kernel (an sm_90a build on a device of compute ",
+           "capability 9.0); got x of shape ", x.sizes(), " (pass at most ", kMaxRows, " rows a call)");
   DX_CHECK(rows % 2 == 0, "gemv_silu_mul: weight must stack gate and up rows, [2I, K], so ",
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   const GemvOptions options =
       gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps);
   if (rows == 0) return;
+  if (M > kMaxRows) {
+    launch_gemv_wide("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
+    return;
+  }
   launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
+}
+
+int64_t gemv_silu_mul_max_rows(int64_t device) {
+  DX_CHECK(device >= 0, "gemv_silu_mul_max_rows: device must be a CUDA device index, got ", device);
+  return gemv_wgmma_available(static_cast<int>(device)) ? kMaxRowsWide : kMaxRows;
 }
 
 }  // namespace decodex

@@ -60,4 +60,27 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
                  const GemvOptions& options, const RopeAppendArgs& rope = {});
 
+// The wgmma GEMV (csrc/gemv_wide.cu): gemv's kStore product (no rms_eps) for kWgmmaMinRows + 1 ..
+// kMaxRowsWide rows of x, and gemv_silu_mul's kSiluMul product (rms_eps allowed) for 9 ..
+// kMaxRowsWide rows, checked by the caller (`op` names it). It needs a build with sm_90a code
+// (DECODEX_SM90A, set by setup.py) and a device of compute capability 9.0; elsewhere gemv.cu's
+// wide variants serve gemv's rows and gemv_silu_mul takes at most 8. At 9..16 rows gemv.cu's are
+// faster on the small products (bench/RESULTS.md, session 13).
+constexpr int kWgmmaMinRows = 16;
+bool gemv_wgmma_available(int device);
+// Whether gemv's M rows of x times the weight [N, K] run on the wgmma kernel: where it is available,
+// above kWgmmaMinRows rows, except the small products (N <= 4608, K <= 4096) up to 32 rows; always
+// when DECODEX_GEMV_WIDE_CONFIG forces one of its configurations for the shape.
+bool gemv_prefers_wgmma(int64_t M, int64_t N, int64_t K, int device);
+void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                      const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,
+                      const GemvOptions& options);
+
+// A configuration forced through the environment variable `var` for tuning sweeps: "v1,...,vcount"
+// for every shape, or entries "N,K:v1,...,vcount" separated by ';' for the weight shapes [N, K]
+// they name. Returns whether one applies to [N, K] (the first entry naming it), its values in
+// `values`; a malformed value is an error naming `var` and the `fields` ("wr,wk,c,u").
+bool config_from_env(const char* var, const char* fields, int64_t N, int64_t K, int* values,
+                     int count);
+
 }  // namespace decodex

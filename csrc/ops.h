@@ -9,6 +9,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps);
+int64_t gemv_silu_mul_max_rows(int64_t device);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps, at::Tensor& out);

@@ -1,5 +1,6 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, and the tensor-core mma.
+// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, the tensor-core mma, and the
+// cp.async copies and warpgroup MMA (wgmma) of the batched GEMV.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -68,6 +69,116 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
+}
+
+// cp.async (sm_80): 16 bytes from global p into shared memory at dst (a shared-space address), through
+// L2 only; the bytes past src_bytes (0 or 16) are zero-filled, so src_bytes = 0 writes 16 zeros and
+// reads nothing. Completion is tracked by cp_async_commit / cp_async_wait groups.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* p, uint32_t src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(p), "r"(src_bytes)
+               : "memory");
+#endif
+}
+
+// cp_async16 for streamed weights: L2 fetches the whole 256 B granule at once (a warp reads each
+// weight row in 64 B pieces).
+__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* p, uint32_t src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(p),
+               "r"(src_bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// ---- warpgroup MMA (sm_90a): the wgmma GEMV (csrc/gemv_wide.cu) ----
+
+// The accumulator operands of a wgmma: d[i .. i + n) as "+f", and their names %0 .. %(n - 1).
+#define DECODEX_D8(i) "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), \
+    "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define DECODEX_D16(i) DECODEX_D8(i), DECODEX_D8((i) + 8)
+#define DECODEX_D32(i) DECODEX_D16(i), DECODEX_D16((i) + 16)
+#define DECODEX_D64(i) DECODEX_D32(i), DECODEX_D32((i) + 32)
+#define DECODEX_R8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define DECODEX_R16 DECODEX_R8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define DECODEX_R32 DECODEX_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define DECODEX_R64 DECODEX_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+// One wgmma.mma_async of shape m64nNk16 (bf16 in, fp32 accumulators, scale-d 1: d += A B): REGS the
+// accumulators' names, A / B / ONE the names of desc_a, desc_b and the constant 1 after them.
+#define DECODEX_WGMMA(N, REGS, A, B, ONE, DS)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, " A ", " B \
+               ", p, 1, 1, 0, 0;\n}\n"                                                        \
+               : DS : "l"(desc_a), "l"(desc_b), "r"(1))
+
+// d[64 x N] += A[64 x 16] * B[16 x N] (wgmma.mma_async, bf16 in, fp32 accumulators; N = 16, 32, 64
+// or 128): A and B K-major in shared memory, described by desc_a / desc_b. d in the wgmma
+// accumulator layout (thread (warp w, lane 4g + t) holds rows 16w + g (+ 8) and columns 8j + 2t
+// (+ 1) in d[4j + 2h + e]). Must sit between wgmma_fence and wgmma_commit; d is not valid until
+// wgmma_wait.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (N == 16) {
+    DECODEX_WGMMA(16, DECODEX_R8, "%8", "%9", "%10", DECODEX_D8(0));
+  } else if constexpr (N == 32) {
+    DECODEX_WGMMA(32, DECODEX_R16, "%16", "%17", "%18", DECODEX_D16(0));
+  } else if constexpr (N == 64) {
+    DECODEX_WGMMA(64, DECODEX_R32, "%32", "%33", "%34", DECODEX_D32(0));
+  } else {
+    static_assert(N == 128, "wgmma_m64k16: N must be 16, 32, 64 or 128");
+    DECODEX_WGMMA(128, DECODEX_R64, "%64", "%65", "%66", DECODEX_D64(0));
+  }
+#else
+  (void)d; (void)desc_a; (void)desc_b;
+  __trap();  // sm_90a only; the host sends nothing here otherwise
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Makes this thread's generic-proxy writes to shared memory (cp.async's) visible to the async proxy
+// (wgmma's operand reads).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// wgmma shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 128 B
+// (64 bf16 of k), 16-byte chunk c of row r stored at chunk c ^ (r % 8), groups of 8 rows 1024 B
+// apart (the tile 1024-byte aligned). addr: the tile, plus 32 B per k16 step into the row.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
 }  // namespace decodex

@@ -20,11 +20,14 @@ rope_append writes nothing for it and decode_attention does no work for it, so d
 their (weight-bound, hence almost free) share of the GEMVs.
 
 Matrix products: decodex's fused GEMVs (rms_eps, gemv_rope_append, gemv_silu_mul) take at most 8
-rows; the plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever
-of three plans was fastest when timed once, at that graph's first capture, over all layers' weights
-of that shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all
-rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two
-are a product then rope_append / silu_mul, which scale it by 1/rms(residual). The plans so chosen
+rows, and gemv_silu_mul up to 64 where its wgmma kernel runs (sm_90a build, cc 9.0 device); the
+plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of three
+plans was fastest when timed once, at that graph's first capture, over all layers' weights of that
+shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all rows, up
+to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two are a
+product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv" plan's
+gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with rms_eps,
+product, scale and activation in one wgmma kernel. The plans so chosen
 are then kept only if the whole step replays faster with them than with every product on cuBLAS,
 both timed with every row dead; last, each product's other plans are tried in turn with the rows
 reading the cache (attention at work, nothing appended), and a change is kept where the step gains
@@ -98,6 +101,9 @@ DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for
 PLANS = ("cublas", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "gemv")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
+# Above this many rows decodex.gemv runs its wgmma kernel where there is one (csrc/gemv.h's
+# kWgmmaMinRows), and the "gemv" plan's gate|up is one gemv_silu_mul; up to it, gemv then silu_mul.
+WGMMA_MIN_ROWS = 16
 PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # The plans above 8 rows are refined with rows that read this many cache tokens (at most the
 # capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
@@ -509,6 +515,8 @@ class CudaGraphRunner(HostLoop):
                             for n in self.sizes}
             ws = max(n * H * self._splits[n] * (D + 2) for n in self.sizes)
             self._workspace = torch.empty(ws, dtype=torch.float32, device=dev)
+            # The rows one gemv_silu_mul takes here: 64 where its wgmma kernel runs, else 8.
+            self._silu_rows = int(torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device()))
             # Host side: the pinned ring the tokens land in, one event per slot.
             self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
@@ -644,9 +652,13 @@ class CudaGraphRunner(HostLoop):
 
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
-        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul, or a product (cuBLAS
-        or the wide gemv) then silu_mul."""
-        if self._plan(n, "gate_up") in WIDE_PLANS:
+        product scaled by 1/rms(x) first if rms_eps is given): gemv_silu_mul (over 8-row chunks, or
+        by the "gemv" plan all n rows at once where its wgmma kernel takes them, above
+        WGMMA_MIN_ROWS), or a product (cuBLAS or the wide gemv) then silu_mul."""
+        plan = self._plan(n, "gate_up")
+        if plan == "gemv" and WGMMA_MIN_ROWS < n <= self._silu_rows:
+            torch.ops.decodex.gemv_silu_mul(x, w, act, prefetch_weight=True, rms_eps=rms_eps)
+        elif plan in WIDE_PLANS:
             self._linear(n, "gate_up", x, w, None, self.gate_up[:n])
             # With rms_eps, x is the residual: the product's rows are scaled by 1/rms(x) first.
             torch.ops.decodex.silu_mul(self.gate_up[:n], act, rms_x=None if rms_eps is None else x,

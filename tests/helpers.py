@@ -148,3 +148,13 @@ MERGES = ["cluster", "combine"]
 
 def set_merge(monkeypatch, merge):
     monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "1" if merge == "cluster" else "0")
+
+
+def wgmma_available() -> bool:
+    """Whether decodex's wgmma GEMV runs here (an sm_90a build on a device of compute capability
+    9.0): gemv_silu_mul then takes up to 64 rows of x, else 8."""
+    if not torch.cuda.is_available():
+        return False
+    from decodex import _ext
+
+    return _ext.available() and torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device()) == 64

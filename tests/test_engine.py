@@ -571,12 +571,14 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("plan", engine.PLANS)
-def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, fuse):
+@pytest.mark.parametrize("plan,max_batch,batch", [(p, 16, 11) for p in engine.PLANS] + [("gemv", 32, 27)])
+def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, fuse):
     """Each way of running the products above 8 rows, forced for every product: cuBLAS or the wide
     gemv over all rows, then rope_append / silu_mul (rope_append inside the attention kernel,
-    rope_append_attention, with fuse: the cache has 3 splits); and the fused decodex kernels over
-    8-row chunks (the last chunk partly dead rows)."""
+    rope_append_attention, with fuse: the cache has 3 splits; the wide gemv's gate|up is one
+    gemv_silu_mul where that takes the rows); and the fused decodex kernels over 8-row chunks (the
+    last chunk partly dead rows). The 32-row graph runs the wide gemv on the wgmma kernel where it
+    exists (above 16 rows)."""
     m = models("qwen2-d128")
 
     def forced(self, n):
@@ -587,13 +589,13 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, fuse):
     # and no whole-step check, which could put the products back on cuBLAS
     monkeypatch.setattr(engine.CudaGraphRunner, "_capture_checking_plans",
                         engine.CudaGraphRunner._capture_as_chosen)
-    runner = engine.CudaGraphRunner(m.gpu, max_batch=16, capacity=300, fuse_rope_attention=fuse)
-    assert runner._splits[16] >= 2
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=max_batch, capacity=300, fuse_rope_attention=fuse)
+    assert runner._splits[max_batch] >= 2
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 60, (11,), generator=g)]
-    run_and_check(f"plan {plan} batch 11 fuse {fuse}", m, runner, prompts, steps=8)
-    assert runner._fused_rope_attention(16) == (fuse and plan in engine.WIDE_PLANS)
+               for n in torch.randint(1, 60, (batch,), generator=g)]
+    run_and_check(f"plan {plan} batch {batch} fuse {fuse}", m, runner, prompts, steps=8)
+    assert runner._fused_rope_attention(max_batch) == (fuse and plan in engine.WIDE_PLANS)
 
 
 @pytest.mark.gpu

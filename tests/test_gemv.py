@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs
+from helpers import capture_graph, norm_inputs, wgmma_available
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer sizes, no cuBLAS check
 
@@ -117,17 +117,18 @@ def test_gemv_wide_writes_only_its_rows(M):
 
 @pytest.mark.gpu
 def test_gemv_wide_rows_independent(monkeypatch):
-    """Among the wide variants (M > 8) a row's result is the same bits whatever the other rows and
-    their number: 64 rows at once equal four calls of 16, and the first 9 of them one call of 9.
-    (Up to 8 rows the kernel keeps two accumulator sets a lane, the wide one one set a block of 8
-    rows, so an M <= 8 call may differ from a wide one in the last bit of fp32 before rounding.)"""
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,4,1,4")
+    """Among the rows the wgmma kernel takes (M > 16) a row's result is the same bits whatever the
+    other rows and their number: 64 rows at once equal two calls of 32, and the first 17 of them one
+    call of 17. (Up to 16 rows gemv.cu's kernels run, whose summation order differs.)"""
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "64,4,4")
     M, N, K = 64, 1536, 8960
     x, w, b = _inputs(M, N, K)
     wide = _gemv(x, w, b, _poisoned(M, N))
-    for r in range(0, M, 16):
-        assert torch.equal(wide[r: r + 16], _gemv(x[r: r + 16], w, b, _poisoned(16, N)))
-    assert torch.equal(wide[:9], _gemv(x[:9], w, b, _poisoned(9, N)))
+    for r in range(0, M, 32):
+        assert torch.equal(wide[r: r + 32], _gemv(x[r: r + 32], w, b, _poisoned(32, N)))
+    assert torch.equal(wide[:17], _gemv(x[:17], w, b, _poisoned(17, N)))
 
 
 @pytest.mark.gpu
@@ -143,7 +144,7 @@ def test_gemv_values_vocab_sized(M, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 37])  # 37: the wide kernel's element-wise stores
 def test_gemv_strided_rows(M):
     """x, weight and out as row slices of wider buffers; the padding of out stays untouched."""
     N, K = 769, 1544
@@ -177,7 +178,7 @@ CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M", [1, 4, 8, 16, 37, 64])  # the last three: the wide variants
+@pytest.mark.parametrize("M", [1, 4, 8])
 @pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
 def test_gemv_every_variant(monkeypatch, config, M, N, K):
     if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
@@ -187,6 +188,47 @@ def test_gemv_every_variant(monkeypatch, config, M, N, K):
     out = _gemv(x, w, b, _poisoned(M, N))
     torch.cuda.synchronize()
     _check(out, x, w, b)
+
+
+# Every variant of the wgmma kernel (M > 16), forced: (bn, c, s). Includes every block size and ring
+# depth, clusters of many sizes (3 and 6 too), ranks with no k-stages (c > ceil(K / 64)), k-ranges
+# of several stages, spare rows past N.
+WIDE_CONFIGS = ["64,1,4", "128,1,8", "96,2,8", "144,2,4", "64,3,4", "128,4,8", "96,6,4", "144,8,8",
+                "64,16,4", "128,16,8"]
+WGMMA = wgmma_available()
+NO_WGMMA = "the wgmma kernel needs an sm_90a build and a device of compute capability 9.0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", WIDE_CONFIGS)
+@pytest.mark.parametrize("M", [17, 37, 64])
+@pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960), (2048, 264)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_wide_every_variant(monkeypatch, config, M, N, K, accumulate):
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", config)
+    x, w, b = _inputs(M, N, K, bias=True)
+    if accumulate:
+        base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+        out = base.clone()
+        torch.ops.decodex.gemv(x, w, b, out, accumulate=True)
+        want = (base.float() + _gemv(x, w, b, _poisoned(M, N)).float()).to(torch.bfloat16)
+        assert torch.equal(out, want)
+    else:
+        _check(_gemv(x, w, b, _poisoned(M, N)), x, w, b)
+
+
+@pytest.mark.gpu
+def test_gemv_bad_wide_config_override(monkeypatch):
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    x, w, b = _inputs(32, 64, 64)
+    for bad in ["32,1,4", "0,1,4", "65,1,4", "64,0,4", "64,9,4", "64,32,4", "64,1,2", "64,1,16",
+                "nonsense", "64", "64,1", "64,1,4,4", "64,64:64,1", "64,64:64,1,4;", "64,64:64,1,4;junk"]:
+        monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", bad)
+        with pytest.raises(RuntimeError, match="DECODEX_GEMV_WIDE_CONFIG"):
+            _gemv(x, w, b, _poisoned(32, 64))
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs
+from helpers import capture_graph, norm_inputs, wgmma_available
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))
 
@@ -22,6 +22,12 @@ MS = [1, 3, 8] if QUICK else [1, 2, 5, 8]
 # (I, K): Qwen2.5-1.5B's MLP (I 8960, K 1536), small and odd sizes.
 SHAPES = [(8, 8), (768, 136), (8960, 1536)] if QUICK else [(8, 8), (768, 136), (1536, 8960), (8960, 1536)]
 ODD_I = [1, 7, 769]
+# More than 8 rows: the wgmma kernel (an sm_90a build on a cc 9.0 device), every forced (bn, c, s)
+# variant below (as tests/test_gemv.py's WIDE_CONFIGS: both ring depths, every cluster size).
+WGMMA = wgmma_available()
+NO_WGMMA = "more than 8 rows need the wgmma kernel: an sm_90a build and a device of compute capability 9.0"
+WIDE_MS = [9, 17, 64] if QUICK else [9, 16, 17, 40, 64]
+WIDE_CONFIGS = ["64,1,4", "128,1,8", "96,2,8", "144,3,4", "64,8,8", "144,16,4"]
 
 
 def _inputs(M, I, K, device="cuda"):
@@ -48,12 +54,14 @@ def _unfused(x, w, rms_eps=None):
     return out
 
 
-def _check_close(out, x, w):
+def _check_close(out, x, w, rms_eps=None):
     """Within bf16 rounding of the fp32 reference: gate and up each carry up to one bf16 rounding
     (2^-8 relative, the kernel and reference may round different fp32 sums), silu' <= 1.1, and the
-    product one more rounding."""
+    product one more rounding. rms_eps: the products scaled by 1/rms(x row) (fp32)."""
     assert torch.isfinite(out).all(), "some outputs were not written (NaN poison left)"
     gu = x.float() @ w.float().t()
+    if rms_eps is not None:
+        gu = gu * torch.rsqrt(x.float().pow(2).mean(dim=1, keepdim=True) + rms_eps)
     gate, up = gu.chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     bound = 2.0**-7 * (1.1 * gate.abs() * up.abs() + ref.abs() + up.abs() * 0.01) + 1e-5
@@ -129,8 +137,12 @@ def test_gemv_silu_mul_rejects():
 
     err(r"weight.size\(0\) must be even", x, w[:31], _poisoned(2, 15))
     err(r"out must have shape", x, w, _poisoned(2, 32))
-    err(r"gemv_silu_mul handles M = 1\.\.8", torch.randn(9, 64, device="cuda").to(torch.bfloat16), w,
-        _poisoned(9, 16))
+    if WGMMA:
+        err(r"gemv_silu_mul handles M = 1\.\.64", torch.randn(65, 64, device="cuda").to(torch.bfloat16), w,
+            _poisoned(65, 16))
+    else:
+        err(r"more than 8 rows of x need the wgmma kernel", torch.randn(9, 64, device="cuda").to(torch.bfloat16),
+            w, _poisoned(9, 16))
     err(r"gemv_silu_mul needs K.*multiple of 8", x[:, :12].contiguous(), w[:, :12].contiguous(), _poisoned(2, 16))
     err(r"weight must have dtype", x, w.float(), _poisoned(2, 16))
     err(r"out must be a CUDA tensor", x, w, _poisoned(2, 16).cpu())
@@ -150,6 +162,64 @@ def test_gemv_silu_mul_rms_eps(M, I, K):  # I % 8 == 0: what the unfused silu_mu
         torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=-1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", WIDE_CONFIGS)
+@pytest.mark.parametrize("I,K", [(7, 8), (769, 1544), (40, 8960), (1024, 136)])
+@pytest.mark.parametrize("M", WIDE_MS)
+@pytest.mark.parametrize("rms", [False, True])
+def test_gemv_silu_mul_wide(monkeypatch, config, M, I, K, rms):
+    """9..64 rows (the wgmma kernel), every forced variant, odd I, with and without rms_eps: close
+    to the fp32 reference; without rms_eps and above 16 rows (where gemv also runs the wgmma kernel,
+    same configuration for the same [2I, K] weight), equal to gemv then silu_mul bit for bit."""
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", config)
+    x, _ = norm_inputs(M, K)
+    _, w = _inputs(M, I, K)
+    eps = 1e-6 if rms else None
+    out = _fused(x, w, rms_eps=eps)
+    _check_close(out, x, w, rms_eps=eps)
+    if not rms and M > 16 and I % 8 == 0:
+        assert torch.equal(out, _unfused(x, w))
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_wide_rows_independent_and_graph():
+    """With the wgmma kernel a row's result does not depend on the other rows (64 rows at once equal
+    two calls of 32 and the first 9 one call of 9, rms_eps included); x and out as row slices of
+    wider buffers, captured once and replayed as x changes, nothing written outside out's view."""
+    if not WGMMA:
+        pytest.skip(NO_WGMMA)
+    M, I, K = 64, 8960, 1536
+    x_buf = torch.randn(M, K + 16, device="cuda").to(torch.bfloat16)
+    x = x_buf[:, 8:8 + K]
+    _, w = _inputs(M, I, K)
+    out_buf = torch.full((M + 3, I + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = out_buf[:M, :I]
+    graph = capture_graph(lambda: torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=1e-6))
+    for _ in range(2):
+        x.copy_(norm_inputs(M, K)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _fused(x.contiguous(), w, rms_eps=1e-6)
+        assert torch.equal(out, want)
+        _check_close(out, x, w, rms_eps=1e-6)
+        for r in range(0, M, 32):
+            assert torch.equal(want[r: r + 32], _fused(x[r: r + 32].contiguous(), w, rms_eps=1e-6))
+        assert torch.equal(want[:9], _fused(x[:9].contiguous(), w, rms_eps=1e-6))
+    assert torch.isnan(out_buf[M:]).all() and torch.isnan(out_buf[:, I:]).all(), "wrote outside out"
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_max_rows():
+    """64 only on a device of compute capability 9.0 (with an sm_90a build), else 8."""
+    rows = torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device())
+    assert rows in (8, 64)
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert rows == 8
+
+
 # ---------------------------------------------------------------- CPU
 
 
@@ -157,6 +227,10 @@ def test_gemv_silu_mul_rms_eps(M, I, K):  # I % 8 == 0: what the unfused silu_mu
 def test_gemv_silu_mul_schema_and_fake():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    rows_schema = str(torch.ops.decodex.gemv_silu_mul_max_rows.default._schema)
+    assert rows_schema == "decodex::gemv_silu_mul_max_rows(int device) -> int", rows_schema
+    with pytest.raises(RuntimeError, match="must be a CUDA device index"):
+        torch.ops.decodex.gemv_silu_mul_max_rows(-1)
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
     assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None) -> ()"), schema
