@@ -18,8 +18,8 @@
 //    griddepcontrol.wait.
 //  * kSiluMul: a block's BN weight rows are BN / 2 gate rows and the BN / 2 matching up rows, so its
 //    epilogue has both halves of its BN / 2 outputs.
-//  * Split-K over the c blocks of a thread-block cluster (c = 1, 2, 4 or 8; 16, a non-portable
-//    size, only when forced, for sweeps of the small-N products): each block's fp32
+//  * Split-K over the c blocks of a thread-block cluster (c = 1..8; 16, a non-portable size, only
+//    when forced, for sweeps of the small-N products): each block's fp32
 //    results go to its shared memory; after a cluster barrier, rank r sums its share of them over
 //    the blocks in rank order (a fixed order: deterministic) and stores bf16, 8 outputs a thread.
 // A row's result does not depend on the other rows (for a given configuration).
