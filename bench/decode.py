@@ -23,6 +23,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
   python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
+  python -m bench.decode --no-hf --models 1.5b --cases 64x1024 --force-plans gate_up=gemv --profile
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
 """
@@ -112,19 +113,50 @@ def kv_bytes(model, batch: int, context: int) -> int:
     return 2 * batch * c.num_hidden_layers * 2 * c.num_key_value_heads * (context + 1) * c.head_dim
 
 
-def make_runner(model, batch: int, context: int, plans=None, fuse_rope: bool = True):
+def make_runner(model, batch: int, context: int, plans=None, fuse_rope: bool = True, forced=None):
     """A runner whose rows 0..batch-1 sit at `context` over a cache of random K/V (plans: the
     engine's products' plans above 8 rows to measure, default all; fuse_rope: the runner's
-    fuse_rope_attention)."""
+    fuse_rope_attention; forced: {product: plan} set above 8 rows without measuring, every other
+    product on cuBLAS, and no whole-step check or refinement: --force-plans)."""
     from decodex.engine import PLANS, CudaGraphRunner
 
+    cls = CudaGraphRunner if not forced else _forced_runner(forced)
     capacity = context + max(GPU_STEPS + 10, WALL_STEPS) + 16
-    runner = CudaGraphRunner(model, max_batch=batch, capacity=capacity, plans=plans or PLANS,
-                             fuse_rope_attention=fuse_rope)
+    runner = cls(model, max_batch=batch, capacity=capacity, plans=plans or PLANS, fuse_rope_attention=fuse_rope)
     runner.eos_ids = set()  # random weights: never stop early
     for t in runner.cache.k + runner.cache.v:
         t.normal_()
     return runner
+
+
+def _forced_runner(forced: dict):
+    """A CudaGraphRunner whose products above 8 rows take the plans in `forced` (cuBLAS for the
+    rest) as they are: for looking at a plan inside the step (--force-plans), not for use."""
+    from decodex.engine import PRODUCTS, CudaGraphRunner
+
+    class ForcedPlans(CudaGraphRunner):
+        def _plan_linears(self, n):
+            for name in PRODUCTS:
+                self.linear_plan[(n, name)] = forced.get(name, "cublas")
+
+        def _capture_checking_plans(self, n, greedy):
+            return self._capture_as_chosen(n, greedy)
+
+    return ForcedPlans
+
+
+def parse_forced(text: str) -> dict:
+    """--force-plans "gate_up=gemv,o=gemv" -> {"gate_up": "gemv", "o": "gemv"}; ValueError names a
+    bad entry."""
+    from decodex.engine import PLANS, PRODUCTS
+
+    forced = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, plan = part.partition("=")
+        if name not in PRODUCTS or plan not in PLANS:
+            raise ValueError(f"{part!r} is not PRODUCT=PLAN with PRODUCT in {PRODUCTS} and PLAN in {PLANS}")
+        forced[name] = plan
+    return forced
 
 
 def load_rows(runner, batch: int, context: int):
@@ -136,8 +168,8 @@ def load_rows(runner, batch: int, context: int):
     return tokens
 
 
-def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = True) -> dict:
-    runner = make_runner(model, batch, context, plans, fuse_rope)
+def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = True, forced=None) -> dict:
+    runner = make_runner(model, batch, context, plans, fuse_rope, forced)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
     gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS))
@@ -200,7 +232,7 @@ def kernel_times(events) -> dict:
     return per_kernel
 
 
-def profile_step(model, context: int, batch: int = 1, reps: int = 3) -> None:
+def profile_step(model, context: int, batch: int = 1, reps: int = 3, forced=None) -> None:
     """Per-kernel device time of one graph step, from torch.profiler over `reps` replays. "us/step"
     is each kernel's own span (launch to end; spans overlap under PDL). "critical us/step" is what
     it adds to the step: the kernels of a step complete in order, each waiting for the one before,
@@ -208,7 +240,7 @@ def profile_step(model, context: int, batch: int = 1, reps: int = 3) -> None:
     start had. Those shares add up to the replays' span."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = make_runner(model, batch, context)
+    runner = make_runner(model, batch, context, forced=forced)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
     step_ms = statistics.median(runner.time_steps(n, steps=20))
@@ -422,7 +454,7 @@ def rows(args=None) -> list[list]:
         results = {}
         for batch, context in args.cases:
             try:
-                r = decodex_case(model, batch, context, args.plans, args.fuse_rope)
+                r = decodex_case(model, batch, context, args.plans, args.fuse_rope, args.force_plans)
                 floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
@@ -440,7 +472,7 @@ def rows(args=None) -> list[list]:
         if args.profile and key == "1.5b":
             for batch, context in PROFILE_CASES:
                 try:
-                    profile_step(model, context, batch)
+                    profile_step(model, context, batch, forced=args.force_plans)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     print(f"profile of batch {batch} at {context} failed: {_err(e)}")
@@ -529,8 +561,19 @@ def parse_args(argv):
     p.add_argument("--no-fused-rope", dest="fuse_rope", action="store_false",
                    help="above 8 rows, run rope_append and decode_attention as two kernels instead of "
                         "rope_append_attention (the engine's fuse_rope_attention=False)")
+    p.add_argument("--force-plans", default=None,
+                   help="above 8 rows, run these products' plans without measuring them and the others "
+                        "on cuBLAS, e.g. gate_up=gemv,o=gemv (the table and --profile; for looking at a "
+                        "plan inside the step)")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
+    if args.force_plans is not None:
+        if args.sweep_gemv or args.live_plans:
+            p.error("--force-plans goes with the table and --profile, not --sweep-gemv / --live-plans")
+        try:
+            args.force_plans = parse_forced(args.force_plans)
+        except ValueError as e:
+            p.error(f"--force-plans: {e}")
     if args.plans is not None:
         from decodex.engine import check_plans
 

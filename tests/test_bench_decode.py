@@ -33,6 +33,33 @@ def test_live_plans_cases():
         decode.parse_args(["--live-plans", "--cases", "8x1024,64x1024"])
 
 
+def test_force_plans_argument():
+    """--force-plans: PRODUCT=PLAN pairs, checked; not with the sweeps, which set plans themselves."""
+    assert decode.parse_args([]).force_plans is None
+    got = decode.parse_args(["--force-plans", "gate_up=gemv, o=gemv8"]).force_plans
+    assert got == {"gate_up": "gemv", "o": "gemv8"}
+    for bad in ("gate_up", "mlp=gemv", "o=fast", "o=gemv,qkv"):
+        with pytest.raises(SystemExit):
+            decode.parse_args(["--force-plans", bad])
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--live-plans", "--force-plans", "o=gemv"])
+
+
+def test_forced_runner_takes_the_plans_unmeasured():
+    """The --force-plans runner: the named products get their plan, the rest cuBLAS, with no timing
+    and no whole-step check (a stand-in without a GPU: the two overridden methods only)."""
+    from decodex import engine
+
+    cls = decode._forced_runner({"gate_up": "gemv", "o": "gemv8"})
+    r = cls.__new__(cls)
+    r.linear_plan = {}
+    r._plan_linears(32)
+    assert r.linear_plan == {(32, name): {"gate_up": "gemv", "o": "gemv8"}.get(name, "cublas")
+                             for name in engine.PRODUCTS}
+    r._capture_as_chosen = lambda n, greedy: ("as chosen", n, greedy)
+    assert r._capture_checking_plans(32, True) == ("as chosen", 32, True)
+
+
 def test_no_fused_rope_argument():
     """--no-fused-rope: the runner's fuse_rope_attention off (the A/B of rope_append_attention)."""
     assert decode.parse_args([]).fuse_rope is True
