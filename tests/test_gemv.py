@@ -132,6 +132,21 @@ def test_gemv_wide_rows_independent(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gemv_wide_mma_rows_independent(monkeypatch):
+    """gemv.cu's wide variants (M > 8; a small product up to 32 rows runs on them on every build): a
+    row's result is the same bits whatever the other rows and their number: 32 rows at once equal
+    two calls of 16, and the first 9 of them one call of 9."""
+    monkeypatch.delenv("DECODEX_GEMV_WIDE_CONFIG", raising=False)
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,4,1,4")
+    M, N, K = 32, 1536, 1536
+    x, w, b = _inputs(M, N, K)
+    wide = _gemv(x, w, b, _poisoned(M, N))
+    for r in range(0, M, 16):
+        assert torch.equal(wide[r: r + 16], _gemv(x[r: r + 16], w, b, _poisoned(16, N)))
+    assert torch.equal(wide[:9], _gemv(x[:9], w, b, _poisoned(9, N)))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(QUICK, reason="large: skipped in quick mode")
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("M", [1, 8])
@@ -178,7 +193,9 @@ CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M", [1, 4, 8])
+# 16 and 32: gemv.cu's wide variants (the small products stay on them up to 32 rows where the wgmma
+# kernel exists, and take every M > 8 where it does not; (7, 8960) at 32 rows runs wgmma there).
+@pytest.mark.parametrize("M", [1, 4, 8, 16, 32])
 @pytest.mark.parametrize("N,K", [(769, 1544), (40, 8), (7, 8960)])
 def test_gemv_every_variant(monkeypatch, config, M, N, K):
     if int(config.split(",")[2]) > 1 and torch.cuda.get_device_capability()[0] < 9:
