@@ -345,8 +345,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // SM). Without split-K (large N), blocks of 144 rows (2 an SM) where the last wave of resident
 // blocks is fuller than with 64 (the 7B gate|up: 264 blocks fill 2 an SM exactly, 9% faster than
 // 592 blocks of 64). This matches the best configuration swept at 64 rows for every Qwen2.5 product
-// within 3% (the 1.5B qkv: 64,2,8 is 3% faster than the 64,4,4 chosen) (bench/RESULTS.md, sessions 13
-// and 14). `rows`: the weight's rows (2I for kSiluMul); sm_smem: shared memory an SM,
+// within 4% (the 1.5B qkv: 64,2,8 was 3-4% faster than the 64,4,4 chosen) (bench/RESULTS.md,
+// sessions 13 and 14). `rows`: the weight's rows (2I for kSiluMul); sm_smem: shared memory an SM,
 // block_smem_reserved: what the system takes a block.
 WideConfig choose_wide(int64_t rows, int64_t K, int sms, int sm_smem, int block_smem_reserved) {
   WideConfig cf{64, 1, 4};

@@ -149,6 +149,15 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a,
   __trap();  // sm_90a only; the host sends nothing here otherwise
 #endif
 }
+#undef DECODEX_WGMMA
+#undef DECODEX_R64
+#undef DECODEX_R32
+#undef DECODEX_R16
+#undef DECODEX_R8
+#undef DECODEX_D64
+#undef DECODEX_D32
+#undef DECODEX_D16
+#undef DECODEX_D8
 
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
