@@ -3,14 +3,15 @@
 // unaligned rows fall back to scalar loads), inner dim contiguous.
 //
 // Idea: a single block per row is latency-bound (V = 151936 bf16 is 300 KB: one SM cannot pull it
-// fast), so each row is split into `chunks` blocks (grid = chunks x B; ~150 blocks of 128 threads
-// at B = 1, each thread one 16-byte load; at B = 64, 33 blocks a row, 4-5 loads a thread, issued
-// together). Each thread keeps its best (value, index) as floats compare (logits.cuh), and that
-// becomes a 64-bit key (order-preserving value bits << 32 | ~index), so the rest of the reduction
-// is an unsigned max. Every block writes its key to a static partial array and bumps a per-row
-// counter; the block that brings the counter to `chunks` (last block done, after a
-// __threadfence) combines the partials, writes out[b] and resets the counter to 0, so the next
-// launch and every CUDA-graph replay start clean. No allocation, no workspace argument, one launch.
+// fast), so each row is split into `chunks` blocks (grid = chunks x B, at most one resident wave;
+// 149 blocks of 128 threads at B = 1, each thread one 16-byte load; at B = 64 on an H200, 18
+// blocks a row, each thread 8-9 loads, 4 in flight at a time). Each thread keeps its best
+// (value, index) as floats compare (logits.cuh), and that becomes a 64-bit key (order-preserving
+// value bits << 32 | ~index), so the rest of the reduction is an unsigned max. Every block writes
+// its key to a static partial array and bumps a per-row counter; the block that brings the counter
+// to `chunks` (last block done, after a __threadfence) combines the partials, writes out[b] and
+// resets the counter to 0, so the next launch and every CUDA-graph replay start clean. No
+// allocation, no workspace argument, one launch.
 //
 // Limits of the static state: rows use the split path only for B <= kArgmaxMaxRows (256); larger
 // batches take one block per row (chunks = 1: no partials, no counter), which is already wide enough.
@@ -72,6 +73,28 @@ argmax_kernel(const T* __restrict__ logits,  // [B, V], row stride row_stride
   }
 }
 
+namespace {
+
+// Resident blocks per SM of argmax_kernel<T>; asked once per dtype, cached (decodex runs on one
+// kind of GPU per process).
+int argmax_blocks_per_sm(at::ScalarType dtype) {
+  static std::atomic<int> cache[2];  // bf16, fp32; 0 = not asked yet (stored + 1)
+  std::atomic<int>& slot = cache[dtype == at::kFloat];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n == 0) {
+    const cudaError_t err =
+        dtype == at::kFloat
+            ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, argmax_kernel<float>, kArgmaxThreads, 0)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, argmax_kernel<__nv_bfloat16>, kArgmaxThreads, 0);
+    DX_CHECK(err == cudaSuccess, "decodex::argmax: occupancy query failed: ", cudaGetErrorString(err));
+    n = std::max(n, 1) + 1;
+    slot.store(n, std::memory_order_relaxed);
+  }
+  return n - 1;
+}
+
+}  // namespace
+
 // out[B] (int64) = argmax(logits[B,V]); ties go to the lowest index.
 void argmax(const at::Tensor& logits, at::Tensor& out) {
   DX_CHECK_CUDA(logits);
@@ -94,11 +117,14 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
   const bool vec_ok = reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0 &&
                       (B == 1 || (logits.stride(0) * esize) % 16 == 0);
   const int64_t groups = (V + 7) / 8;
-  // Enough blocks to cover the GPU many times over: one 16-byte group a thread at batch 1, a few at
-  // batch 64 (with 4 blocks per SM, 64 rows took 9 chunks of 16 groups a thread: 20 us).
-  const int64_t target = 16 * static_cast<int64_t>(sm_count(logits.get_device()));
+  // One resident wave of blocks, split evenly over the rows: a block per 128 groups at batch 1
+  // (149 blocks), 18 chunks a row at batch 64 (bf16: 9 blocks an SM), each thread looping over its
+  // groups 4 loads at a time. More blocks than one wave (16 an SM, as before) made batch 64 run 2-3 waves
+  // of 2 load round trips each: 16.5 us against ... (bench/RESULTS.md, session 15).
+  const int64_t wave = static_cast<int64_t>(argmax_blocks_per_sm(logits.scalar_type())) *
+                       sm_count(logits.get_device());
   int64_t chunks = std::min<int64_t>((groups + kArgmaxThreads - 1) / kArgmaxThreads, kArgmaxMaxChunks);
-  chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, (target + B - 1) / B));
+  chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, wave / B));
   if (B > kArgmaxMaxRows) chunks = 1;
   const int64_t chunk_len = (groups + chunks - 1) / chunks;
   chunks = (groups + chunk_len - 1) / chunk_len;  // no empty block
