@@ -73,7 +73,6 @@ constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
 constexpr int kClusterSplits = 8;          // up to this many splits merge in a cluster (portable)
 constexpr int kCombineSplitsPerWarp = 16;  // combine: one warp per 16 splits ...
 constexpr int kCombineMaxWarps = 8;        // ... up to 8
-constexpr int kScoreChains = 2;            // independent mma accumulator chains for a tile's scores
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -129,22 +128,13 @@ template <int D>
 __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (&qf)[D / 32], int base,
                                             int end, int g, float scale_log2, float (&o)[D / 16][4],
                                             float& m0, float& m1, float& l0, float& l1) {
-  // S^T = K . Q^T: k-step 2c + s uses words 2s, 2s+1 of the lane's 16-byte chunks. The k-steps
-  // go round kScoreChains accumulators, summed at the end, so that the tile's first dependent
-  // chain (D / 16 mmas, each waiting for the last) is kScoreChains times shorter.
-  float sc[kScoreChains][4] = {};
+  // S^T = K . Q^T: k-step 2c + s uses words 2s, 2s+1 of the lane's 16-byte chunks.
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int c = kk >> 1, w = (kk & 1) * 2;
-    mma_bf16_16816(sc[kk % kScoreChains], word(tile.k[0][c], w), word(tile.k[1][c], w),
-                   word(tile.k[0][c], w + 1), word(tile.k[1][c], w + 1), word(qf[c], w),
-                   word(qf[c], w + 1));
-  }
-  float s[4] = {sc[0][0], sc[0][1], sc[0][2], sc[0][3]};
-#pragma unroll
-  for (int i = 1; i < kScoreChains; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] += sc[i][j];
+    mma_bf16_16816(s, word(tile.k[0][c], w), word(tile.k[1][c], w), word(tile.k[0][c], w + 1),
+              word(tile.k[1][c], w + 1), word(qf[c], w), word(qf[c], w + 1));
   }
   // s[0], s[1]: token g, heads 2t, 2t+1; s[2], s[3]: token g + 8. Padded tokens -> -inf.
   const bool ok_lo = base + g < end, ok_hi = base + g + 8 < end;
