@@ -555,7 +555,7 @@ def parse_args(argv):
                    help="instead of the table: each product's plan above 8 rows forced in turn, the "
                         "step timed with live rows (per model and case; batch > 8, no HF)")
     p.add_argument("--plans", default=None,
-                   help="the ways a product may run above 8 rows, comma list of cublas, gemv, gemv8 "
+                   help="the ways a product may run above 8 rows, comma list of cublas, cublaslt, gemv, gemv8 "
                         "(cublas required; default all), e.g. cublas,gemv8 for the step without the "
                         "wide gemv")
     p.add_argument("--no-fused-rope", dest="fuse_rope", action="store_false",

@@ -21,10 +21,11 @@ their (weight-bound, hence almost free) share of the GEMVs.
 
 Matrix products: decodex's fused GEMVs (rms_eps, gemv_rope_append, gemv_silu_mul) take at most 8
 rows, and gemv_silu_mul up to 64 where its wgmma kernel runs (sm_90a build, cc 9.0 device); the
-plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of three
+plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of four
 plans was fastest when timed once, at that graph's first capture, over all layers' weights of that
-shape (L2-cold): "cublas" (one torch.mm over all rows), "gemv" (one decodex.gemv over all rows, up
-to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first two are a
+shape (L2-cold): "cublas" (one torch.mm over all rows), "cublaslt" (the same with torch's preferred
+BLAS library set to cuBLASLt for the call), "gemv" (one decodex.gemv over all rows, up to 64) and
+"gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first three are a
 product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv" plan's
 gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with rms_eps,
 product, scale and activation in one wgmma kernel. The plans so chosen
@@ -97,9 +98,13 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # (bench/RESULTS.md, session 5).
 RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
-# How a product runs in a graph of more than 8 rows (_plan); the first two compute the product alone.
-PLANS = ("cublas", "gemv", "gemv8")
-WIDE_PLANS = ("cublas", "gemv")
+# How a product runs in a graph of more than 8 rows (_plan); the first three compute the product
+# alone. "cublaslt" is "cublas" (torch.mm / addmm_) with torch's preferred BLAS library set to
+# cuBLASLt while the call is made and captured (_blas_library): other kernels for some shapes, e.g.
+# the 7B down projection at 64 rows, 37.5 us against 41.4 (bench/RESULTS.md, session 15).
+PLANS = ("cublas", "cublaslt", "gemv", "gemv8")
+WIDE_PLANS = ("cublas", "cublaslt", "gemv")
+CUBLAS_PLANS = ("cublas", "cublaslt")
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
 # Above this many rows decodex.gemv runs its wgmma kernel where there is one (csrc/gemv.h's
 # kWgmmaMinRows), and the "gemv" plan's gate|up is one gemv_silu_mul; up to it, gemv then silu_mul.
@@ -123,6 +128,21 @@ def check_plans(plans) -> tuple[str, ...]:
 def plans_at(plans, n: int) -> list[str]:
     """Those of `plans` a graph of n rows can run: the wide gemv takes at most WIDE_GEMV_MAX_ROWS."""
     return [p for p in plans if p != "gemv" or n <= WIDE_GEMV_MAX_ROWS]
+
+
+@contextlib.contextmanager
+def _blas_library(plan: str):
+    """torch's preferred BLAS library for the calls of a cuBLAS plan: cuBLASLt for "cublaslt"
+    (restored after); "cublas" leaves it as it is."""
+    if plan != "cublaslt":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def graph_sizes(max_batch: int) -> tuple[int, ...]:
@@ -558,7 +578,8 @@ class CudaGraphRunner(HostLoop):
     def _plan(self, n: int, name: str) -> str:
         """How the product `name` runs in a graph of n rows, one of PLANS: "gemv8" (decodex's fused
         GEMVs over 8-row chunks; the only choice up to 8 rows), "gemv" (one plain decodex.gemv over
-        all n <= 64 rows) or "cublas"; the last two leave the norm, RoPE and SiLU to the ops after."""
+        all n <= 64 rows), "cublas" or "cublaslt"; the last three leave the norm, RoPE and SiLU to
+        the ops after."""
         return "gemv8" if n <= GEMV_MAX_ROWS else self.linear_plan.get((n, name), "cublas")
 
     def _gemv_rows(self, n: int, name: str) -> list[slice]:
@@ -593,8 +614,10 @@ class CudaGraphRunner(HostLoop):
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
         rms_eps is given (gemv8 only)."""
-        if self._plan(n, name) == "cublas":
-            _cublas_linear(x, w, b, out)
+        plan = self._plan(n, name)
+        if plan in CUBLAS_PLANS:
+            with _blas_library(plan):
+                _cublas_linear(x, w, b, out)
             return
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
@@ -603,11 +626,13 @@ class CudaGraphRunner(HostLoop):
         """residual[n] += x @ w^T (+ b): gemv with accumulate (_gemv_rows: 8-row chunks, or all rows
         at once by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a
         bias, else into delta, which the next norm adds (_normed)."""
-        if self._plan(n, name) == "cublas":
-            if b is None:
-                self.residual[:n].addmm_(x, w.t())
-                return
-            _cublas_linear(x, w, b, self.delta[:n])
+        plan = self._plan(n, name)
+        if plan in CUBLAS_PLANS:
+            with _blas_library(plan):
+                if b is None:
+                    self.residual[:n].addmm_(x, w.t())
+                    return
+                _cublas_linear(x, w, b, self.delta[:n])
             self._pending_delta = True
             return
         residual = self.residual[:n]
@@ -617,7 +642,7 @@ class CudaGraphRunner(HostLoop):
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
-        a product (cuBLAS or the wide gemv) then rope_append, or (append False, those two plans)
+        a product (cuBLAS or the wide gemv) then rope_append, or (append False, those plans)
         the product alone, its rows left for rope_append_attention."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         if self._plan(n, "qkv") in WIDE_PLANS:

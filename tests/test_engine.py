@@ -16,6 +16,7 @@ fp32 argmax only at a near-tie (reported with its step and gap).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
 
@@ -515,7 +516,22 @@ def test_checking_plans_keeps_the_faster_set_then_refines(per_product_ms, keeps)
 def test_plans_at():
     """The wide gemv only up to WIDE_GEMV_MAX_ROWS rows."""
     assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS) == list(engine.PLANS)
-    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS + 1) == ["cublas", "gemv8"]
+    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS + 1) == ["cublas", "cublaslt", "gemv8"]
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_blas_library_is_set_for_the_call_only(raises):
+    """The "cublaslt" plan's calls run with torch's preferred BLAS library set to cuBLASLt; the
+    caller's setting is back afterwards, also when the call raises; "cublas" changes nothing."""
+    before = torch.backends.cuda.preferred_blas_library()
+    with engine._blas_library("cublas"):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    with contextlib.suppress(RuntimeError):
+        with engine._blas_library("cublaslt"):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+            if raises:
+                raise RuntimeError("the product failed")
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 def test_refine_plans_keeps_only_real_gains():
@@ -544,7 +560,8 @@ def test_refine_plans_keeps_only_real_gains():
     want = {name: "gemv" if name == "o" else "cublas" for name in engine.PRODUCTS}
     assert graph == want and capture(16, True) == want
     tried = r.plan_refine_ms[16]
-    assert tried["start"] == pytest.approx(2.2) and len(tried) == 1 + 2 * len(engine.PRODUCTS)
+    assert tried["start"] == pytest.approx(2.2)
+    assert len(tried) == 1 + (len(engine.PLANS) - 1) * len(engine.PRODUCTS)
     assert tried["o gemv"] == pytest.approx(2.2 * 0.95) and tried["down gemv"] == pytest.approx(2.2 * 0.95 * 1.2)
     assert tried["lm_head cublas"] == pytest.approx(1.9) and "lm_head gemv8" not in tried
 
