@@ -119,8 +119,9 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
   const int64_t groups = (V + 7) / 8;
   // One resident wave of blocks, split evenly over the rows: a block per 128 groups at batch 1
   // (149 blocks), 18 chunks a row at batch 64 (bf16: 9 blocks an SM), each thread looping over its
-  // groups 4 loads at a time. More blocks than one wave (16 an SM, as before) made batch 64 run 2-3 waves
-  // of 2 load round trips each: 16.5 us against ... (bench/RESULTS.md, session 15).
+  // groups 4 loads at a time. Sized for 16 blocks an SM instead (2112 blocks at batch 64, where
+  // 1188 are resident at once), batch 64 took 16.4 us against 14.6 now, and batch 8 5.78 against
+  // 5.38 (H200, bench/RESULTS.md, session 15).
   const int64_t wave = static_cast<int64_t>(argmax_blocks_per_sm(logits.scalar_type())) *
                        sm_count(logits.get_device());
   int64_t chunks = std::min<int64_t>((groups + kArgmaxThreads - 1) / kArgmaxThreads, kArgmaxMaxChunks);
