@@ -75,22 +75,13 @@ argmax_kernel(const T* __restrict__ logits,  // [B, V], row stride row_stride
 
 namespace {
 
-// Resident blocks per SM of argmax_kernel<T>; asked once per dtype, cached (decodex runs on one
-// kind of GPU per process).
+// Resident blocks per SM of argmax_kernel<T> (bf16 or fp32); asked once per dtype, cached.
 int argmax_blocks_per_sm(at::ScalarType dtype) {
-  static std::atomic<int> cache[2];  // bf16, fp32; 0 = not asked yet (stored + 1)
-  std::atomic<int>& slot = cache[dtype == at::kFloat];
-  int n = slot.load(std::memory_order_relaxed);
-  if (n == 0) {
-    const cudaError_t err =
-        dtype == at::kFloat
-            ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, argmax_kernel<float>, kArgmaxThreads, 0)
-            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, argmax_kernel<__nv_bfloat16>, kArgmaxThreads, 0);
-    DX_CHECK(err == cudaSuccess, "decodex::argmax: occupancy query failed: ", cudaGetErrorString(err));
-    n = std::max(n, 1) + 1;
-    slot.store(n, std::memory_order_relaxed);
-  }
-  return n - 1;
+  static std::atomic<int> cache[2];  // bf16, fp32
+  const bool fp32 = dtype == at::kFloat;
+  const void* kernel = fp32 ? reinterpret_cast<const void*>(argmax_kernel<float>)
+                            : reinterpret_cast<const void*>(argmax_kernel<__nv_bfloat16>);
+  return cached_blocks_per_sm(cache[fp32], kernel, kArgmaxThreads, "argmax");
 }
 
 }  // namespace

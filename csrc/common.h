@@ -167,6 +167,22 @@ inline int device_attribute(int device) {
 
 inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Resident blocks per SM of `kernel` at `threads` threads a block (no dynamic shared memory),
+// asked once and cached in `slot` (0: not asked yet; the count is stored + 1). Occupancy depends on
+// the architecture only; decodex runs on one kind of GPU per process. `op` names the caller.
+inline int cached_blocks_per_sm(std::atomic<int>& slot, const void* kernel, int threads, const char* op) {
+  int n = slot.load(std::memory_order_relaxed);
+  if (n == 0) {
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0);
+    DX_CHECK(err == cudaSuccess, "decodex::", op, ": occupancy query failed: ", cudaGetErrorString(err));
+    n = (n > 0 ? n : 0) + 1;
+    slot.store(n, std::memory_order_relaxed);
+  }
+  return n - 1;
+}
+
 
 // ---- programmatic dependent launch (PDL) ----
 // Every decodex kernel starts with pdl_begin(): griddepcontrol.wait blocks until the kernel before

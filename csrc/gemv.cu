@@ -475,26 +475,14 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool rms) {
   return rms ? kernel_for<true>(m, u, epi) : kernel_for<false>(m, u, epi);
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Resident blocks per SM of the (M, U) kernel at `warps` warps per block; asked once, cached.
-// (Occupancy depends on the architecture only; decodex runs on one kind of GPU per process.)
 int blocks_per_sm(int m, int u, int warps) {
   // Per kernel M: 1..8, then 16, 24, ..., 64 (slots 8..14). Zero-initialized: 0 = not asked yet.
   static std::atomic<int> cache[kMaxRows + kMaxRowsWide / 8 - 1][2][kMaxWarps + 1];
   const int km = kernel_rows(m);
-  std::atomic<int>& slot = cache[km <= kMaxRows ? km - 1 : kMaxRows + km / 8 - 2][u == 8][warps];
-  int n = slot.load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaError_t err =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel_for(m, u, GemvEpilogue::kStore, false),
-                                                        warps * 32, 0);
-    DX_CHECK(err == cudaSuccess, "decodex::gemv: occupancy query failed: ",
-                cudaGetErrorString(err));
-    n = std::max(n, 0) + 1;  // stored +1 so that 0 keeps meaning "not asked"
-    slot.store(n, std::memory_order_relaxed);
-  }
-  return n - 1;
+  return cached_blocks_per_sm(cache[km <= kMaxRows ? km - 1 : kMaxRows + km / 8 - 2][u == 8][warps],
+                              reinterpret_cast<const void*>(kernel_for(m, u, GemvEpilogue::kStore, false)),
+                              warps * 32, "gemv");
 }
 
 // Estimated microseconds of one call. The kernel is a stream of blocks, each doing

@@ -337,8 +337,6 @@ WideKernel wide_kernel(const WideConfig& cf) {
   }
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // 64 weight rows a block and the smallest cluster (split-K) that puts blocks on about 0.7 of the SMs,
 // keeping at least 2 stages of k a block. Then a ring of 8 where the grid fits one block an SM (its
 // 128 KB allow no more) and each block has at least 12 stages of k to stream, else 4 (3 blocks an
