@@ -5,7 +5,8 @@ MAX_STACK_BYTES), every call captured in one CUDA graph; both sides time the sam
 run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the same run.
 "decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call loads its
 first weights while the call before it runs), as the decode graph does; GB/s, % of bw and the
-speedup over cuBLAS are of the prefetch_weight calls. Two smaller tables follow: the RMS norm inside
+speedup over cuBLAS are of the prefetch_weight calls. "cuBLASLt us" is F.linear with torch's
+preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two smaller tables follow: the RMS norm inside
 the GEMV (rms_eps, the norm weight folded into W) against an rms_norm kernel then the GEMV, beside
 the plain GEMV; and accumulate (out += product) against the plain GEMV; all with prefetch_weight.
 
@@ -45,8 +46,8 @@ SHAPES = [
 MS = [1, 2, 4, 8]
 MAX_STACK_BYTES = 3 << 30  # the two lm_heads would otherwise stack 4 GB copies
 TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
-HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "GB/s", "% of bw",
-           "speedup"]
+HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "cuBLASLt us", "GB/s",
+           "% of bw", "speedup"]
 ENV = "DECODEX_GEMV_CONFIG"
 WIDE_ENV = "DECODEX_GEMV_WIDE_CONFIG"  # the wgmma kernel's (M > 16)
 
@@ -119,9 +120,14 @@ def fused_rows() -> tuple[list[list], list[list]]:
     return norm, acc
 
 
-def _time_cublas(weights, M: int) -> float:
+def _time_cublas(weights, M: int, plan: str = "cublas") -> float:
+    """F.linear per weight copy, called (and so captured) with the BLAS library of the engine's
+    plan `plan` ("cublas": torch's choice; "cublaslt")."""
+    from decodex.engine import blas_library
+
     xs, _ = _buffers(weights, M)
-    return time_graph([lambda i=i: F.linear(xs[i], weights[i]) for i in range(len(weights))])
+    with blas_library(plan):
+        return time_graph([lambda i=i: F.linear(xs[i], weights[i]) for i in range(len(weights))])
 
 
 def _selected(label: str, only: str | None) -> bool:
@@ -139,11 +145,12 @@ def rows(bandwidth_gbs: float | None = None, ms=MS, only: str | None = None) -> 
         weights = _stack(N, K)
         for M in ms:
             ours, cublas = _time_ours(weights, M), _time_cublas(weights, M)
+            cublaslt = _time_cublas(weights, M, "cublaslt")
             early = _time_ours(weights, M, prefetch_weight=True)
             nbytes = 2 * (N * K + M * K + M * N)
             gbs = nbytes / early / 1e3
-            out.append([f"{model} {name} {N}x{K} M={M}", 2 * N * K / 1e6, ours, early, cublas, gbs,
-                        100 * gbs / bw, cublas / early])
+            out.append([f"{model} {name} {N}x{K} M={M}", 2 * N * K / 1e6, ours, early, cublas, cublaslt,
+                        gbs, 100 * gbs / bw, cublas / early])
         del weights
         torch.cuda.empty_cache()
     return out

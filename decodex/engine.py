@@ -100,8 +100,9 @@ RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 # How a product runs in a graph of more than 8 rows (_plan); the first three compute the product
 # alone. "cublaslt" is "cublas" (torch.mm / addmm_) with torch's preferred BLAS library set to
-# cuBLASLt while the call is made and captured (_blas_library): other kernels for some shapes, e.g.
-# the 7B down projection at 64 rows, 37.5 us against 41.4 (bench/RESULTS.md, session 15).
+# cuBLASLt while the call is made and captured (blas_library): other kernels for some shapes, e.g.
+# the 7B down projection at 64 rows, 37.5 us against 41.4 (bench/RESULTS.md, session 15; bench.gemv's
+# "cuBLASLt us" column times it).
 PLANS = ("cublas", "cublaslt", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "cublaslt", "gemv")
 CUBLAS_PLANS = ("cublas", "cublaslt")
@@ -131,7 +132,7 @@ def plans_at(plans, n: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def _blas_library(plan: str):
+def blas_library(plan: str):
     """torch's preferred BLAS library for the calls of a cuBLAS plan: cuBLASLt for "cublaslt"
     (restored after); "cublas" leaves it as it is."""
     if plan != "cublaslt":
@@ -616,7 +617,7 @@ class CudaGraphRunner(HostLoop):
         rms_eps is given (gemv8 only)."""
         plan = self._plan(n, name)
         if plan in CUBLAS_PLANS:
-            with _blas_library(plan):
+            with blas_library(plan):
                 _cublas_linear(x, w, b, out)
             return
         for s in self._gemv_rows(n, name):
@@ -628,7 +629,7 @@ class CudaGraphRunner(HostLoop):
         bias, else into delta, which the next norm adds (_normed)."""
         plan = self._plan(n, name)
         if plan in CUBLAS_PLANS:
-            with _blas_library(plan):
+            with blas_library(plan):
                 if b is None:
                     self.residual[:n].addmm_(x, w.t())
                     return

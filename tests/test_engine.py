@@ -524,10 +524,10 @@ def test_blas_library_is_set_for_the_call_only(raises):
     """The "cublaslt" plan's calls run with torch's preferred BLAS library set to cuBLASLt; the
     caller's setting is back afterwards, also when the call raises; "cublas" changes nothing."""
     before = torch.backends.cuda.preferred_blas_library()
-    with engine._blas_library("cublas"):
+    with engine.blas_library("cublas"):
         assert torch.backends.cuda.preferred_blas_library() == before
     with contextlib.suppress(RuntimeError):
-        with engine._blas_library("cublaslt"):
+        with engine.blas_library("cublaslt"):
             assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
             if raises:
                 raise RuntimeError("the product failed")
