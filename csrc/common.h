@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -183,6 +185,20 @@ inline int cached_blocks_per_sm(std::atomic<int>& slot, const void* kernel, int 
   return n - 1;
 }
 
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory on `device` (the current device).
+// The attribute is host-side state of the device, no stream work (fine during CUDA-graph capture):
+// set only when a call needs more than the kernel was allowed before. `op` names the caller.
+inline void allow_dynamic_smem(const void* kernel, int bytes, int device, const char* op) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = allowed[{kernel, device}];
+  if (bytes <= have) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  DX_CHECK(err == cudaSuccess, "decodex::", op, ": could not allow ", bytes,
+           " bytes of shared memory a block: ", cudaGetErrorString(err));
+  have = bytes;
+}
 
 // ---- programmatic dependent launch (PDL) ----
 // Every decodex kernel starts with pdl_begin(): griddepcontrol.wait blocks until the kernel before

@@ -420,12 +420,10 @@ void launch_gemv_wide(const char* op, const at::Tensor& x, const at::Tensor& wei
   }
   const WideKernel kernel = wide_kernel(cf);
   const int smem = smem_bytes(cf.bn, cf.s);
-  // The attributes are host-side state of the current device (no stream work, fine during CUDA-graph
-  // capture): set once per device and kernel.
+  // The cluster attribute, like the shared memory's: host-side state, set once per device and kernel.
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, device, op);
   thread_local std::set<std::pair<WideKernel, int>> allowed;
   if (allowed.insert({kernel, device}).second) {
-    DX_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess,
-             "decodex::", op, ": could not allow ", smem, " bytes of shared memory for the wgmma kernel");
     DX_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess,
              "decodex::", op, ": could not allow clusters of 16 for the wgmma kernel");
   }

@@ -614,17 +614,7 @@ template <typename T>
 void launch_sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                    const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,
                    at::Tensor& out, bool vec_ok, int smem) {
-  // The attribute is host-side state, no stream work (fine during CUDA-graph capture): set it once
-  // per device and kernel instance.
-  static bool attr_set[64] = {};
-  const int dev = logits.get_device();
-  if (dev >= 64 || !attr_set[dev]) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(sample_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    DX_CHECK(err == cudaSuccess, "decodex::sample: cannot get ", smem,
-                " bytes of shared memory per block: ", cudaGetErrorString(err));
-    if (dev < 64) attr_set[dev] = true;
-  }
+  allow_dynamic_smem(reinterpret_cast<const void*>(sample_kernel<T>), smem, logits.get_device(), "sample");
   const cudaError_t err = launch_pdl(
       sample_kernel<T>, dim3(static_cast<unsigned>(logits.size(0))), dim3(kSampleThreads),
       static_cast<size_t>(smem), current_stream(), reinterpret_cast<const T*>(logits.data_ptr()),

@@ -290,14 +290,15 @@ def test_cuda_graph_replay_as_lengths_grow():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("start,S", [([0, 127, 4000], 4100), ([1, 128, 2], 4100), ([0, 127, 900], 1000)],
-                         ids=str)
+@pytest.mark.parametrize("start,S", [([0, 127, 4000], 4100), ([1, 128, 2], 4100), ([0, 127, 900], 1000),
+                                     ([990 - 13 * i for i in range(45)], 1000)], ids=lambda v: str(v)[:40])
 def test_prefetch_cache_after_the_append(start, S, D):
     """prefetch_cache=True right behind the append of row lengths - 1, as the decode step runs them:
     [rope_append at positions, decode_attention, advance_positions] in one CUDA graph. The appended
     row was poison before (huge K, NaN V), so reading it before the append finished would show; each
     replay matches the reference on the cache as appended. (S = 1000: 8 splits, merged in a cluster
-    on sm_90.)"""
+    on sm_90. 45 rows: 2 splits of up to 8 tiles a warp, so the appended row also falls in tiles
+    past the warp's first kStages, which are copied after the wait.)"""
     H, Hkv = 12, 2
     B = len(start)
     q, kc, vc = make_inputs(start, H, Hkv, D, S)
