@@ -238,27 +238,9 @@ inline bool pdl_enabled() {
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute and, when cluster_x > 1,
 // thread-block clusters of (cluster_x, 1, 1) (sm_90); returns the launch error.
-// EXPERIMENT (session 16): DECODEX_SMEM_CARVEOUT=N sets every decodex kernel's preferred shared
-// memory carveout (percent) once, before its first launch.
-inline void experiment_carveout(const void* kernel) {
-  static const int carveout = [] {
-    const char* v = std::getenv("DECODEX_SMEM_CARVEOUT");
-    return v != nullptr && *v != '\0' ? std::atoi(v) : -1;
-  }();
-  if (carveout < 0) return;
-  static std::mutex mu;
-  static std::map<const void*, int> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(kernel) == 0) {
-    done[kernel] = 1;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
-  }
-}
-
 template <typename... Params, typename... Args>
 inline cudaError_t launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                        cudaStream_t stream, unsigned cluster_x, Args&&... args) {
-  experiment_carveout(reinterpret_cast<const void*>(kernel));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
