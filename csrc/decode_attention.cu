@@ -16,11 +16,15 @@
 //   - for P.V the head dim is the M index (any permutation, undone when the result is written) and
 //     the tokens are K; a lane loads 16 bytes of 4 token rows and pairs them with byte permutes into
 //     A-fragment words; P^T comes from the S^T accumulator through one movmatrix transpose per 8x8.
-// Each warp walks 16-token tiles of its split with an online softmax in fp32. The tiles reach it
-// through a ring of kStages slots in shared memory (cp.async): while it computes one tile, the
-// copies of the next kStages are in flight, and only the tile being computed sits in registers.
-// (Until session 16 the next tiles were loaded straight into two register buffers: 216 registers,
-// one tile in flight while the other was used, and the loads' latency showed; RESULTS, session 12.)
+// Each warp walks 16-token tiles of its split with an online softmax in fp32, with the next tiles'
+// K and V in flight while it computes one. Two ways, one per kernel instance:
+//   - decode_attention (the register path): the next tile's loads go straight into a second
+//     register buffer (216 registers a thread; one tile in flight while the other is used);
+//   - rope_append_attention (the ring path): the tiles come through a ring of kStages slots in
+//     shared memory (cp.async), so kStages tiles are in flight and only the one being computed
+//     sits in registers (182 registers, 96 KB of shared memory a block). Beside the cuBLAS products
+//     of the batched step it is 1.4 us a layer faster; beside the GEMVs of the small batches it was
+//     slower, so decode_attention keeps the registers (bench/RESULTS.md, session 16).
 // The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: the partials stay in shared memory and
@@ -33,8 +37,8 @@
 // flight at once, and the warps merge through shared memory. That kernel is launched with
 // programmatic dependent launch so its launch overlaps the first kernel's tail (it executes
 // griddepcontrol.wait before it reads anything). With prefetch_cache (the decode graph, whose
-// kernel ahead is the append of row lengths[b] - 1) the split kernel also issues its first
-// kStages tiles of K/V copies before its own wait, so the first DRAM round trip overlaps that kernel.
+// kernel ahead is the append of row lengths[b] - 1) the split kernel also issues its first tiles'
+// loads or copies before its own wait, so the first DRAM round trip overlaps that kernel.
 // Groups of more than 8 query heads take several head blocks per KV head (each re-reads the rows,
 // mostly from L2); real models have 1-8.
 //
@@ -104,7 +108,32 @@ struct KVTile {
   uint4 v[4][D / 64];
 };
 
-// A warp's ring: kStages slots, each one tile's K rows then V rows (16 x D bf16 each), filled by
+// The register path (plain decode_attention): the tile's rows straight from global memory into
+// KVTile's lane layout (zeros for tokens at or past end).
+template <int D>
+__device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* k_rows,
+                                          const __nv_bfloat16* v_rows, int base, int end, int g,
+                                          int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int tok = base + g + 8 * r;
+    const bool ok = tok < end;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c)
+      tile.k[r][c] = load16_stream(k_rows + (int64_t)tok * D + 32 * c + 8 * t, ok);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = base + 2 * t + (i & 1) + 8 * (i >> 1);
+    const bool ok = tok < end;
+#pragma unroll
+    for (int h = 0; h < D / 64; ++h)
+      tile.v[i][h] = load16_stream(v_rows + (int64_t)tok * D + 64 * h + 8 * g, ok);
+  }
+}
+
+// The ring path (rope_append_attention): a warp's ring of kStages slots, each one tile's K rows
+// then V rows (16 x D bf16 each), filled by
 // cp.async (16-byte chunks, L2 only) and read into a KVTile just before the tile is used, so the
 // copies of the next kStages tiles stay in flight while the warp computes (the registers hold one
 // tile, not the two in-flight buffers of loads straight into registers). Chunks are placed with an
@@ -120,39 +149,22 @@ __device__ __forceinline__ int k_chunk(int row, int j) { return j ^ (4 * (row & 
 __device__ __forceinline__ int v_chunk(int row, int j) { return j ^ (row & 6); }
 
 // Copies tokens [base, base + 16) of K and V into the slot at shared address `slot`: tokens at or
-// past `end` are zero-filled (nothing read), and token `skip` (below end) is not written at all (its
-// chunks are copied later; -1: none).
+// past `end` are zero-filled (nothing read).
 template <int D>
 __device__ __forceinline__ void copy_tile(uint32_t slot, const __nv_bfloat16* k_rows,
-                                          const __nv_bfloat16* v_rows, int base, int end, int skip,
-                                          int lane) {
-  constexpr int kChunks = D / 8;                    // 16-byte chunks of a row
-  constexpr int kPerLane = kTile * kChunks / 32;    // chunks of K (and of V) per lane
+                                          const __nv_bfloat16* v_rows, int base, int end, int lane) {
+  constexpr int kChunks = D / 8;                  // 16-byte chunks of a row
+  constexpr int kPerLane = kTile * kChunks / 32;  // chunks of K (and of V) per lane
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i, row = e / kChunks, j = e % kChunks;
     const int tok = base + row;
     const bool ok = tok < end;
-    if (ok && tok == skip) continue;
     const int64_t at = (int64_t)(ok ? tok : 0) * D + 8 * j;
     const uint32_t dst = slot + row * (2 * D);
     cp_async16(dst + 16 * k_chunk(row, j), k_rows + at, ok ? 16u : 0u);
     cp_async16(dst + kTile * D * 2 + 16 * v_chunk(row, j), v_rows + at, ok ? 16u : 0u);
   }
-}
-
-// Token `tok` (in [base, base + 16)) of K and V into its slot, by lanes 0 .. 2 D / 8 - 1: the row
-// that prefetch_cache left out of copy_tile, copied once the kernel ahead has written it.
-template <int D>
-__device__ __forceinline__ void copy_row(uint32_t slot, const __nv_bfloat16* k_rows,
-                                         const __nv_bfloat16* v_rows, int base, int tok, int lane) {
-  constexpr int kChunks = D / 8;
-  const int row = tok - base, j = lane % kChunks;
-  const bool is_v = lane >= kChunks;
-  if (lane >= 2 * kChunks) return;
-  const uint32_t dst = slot + (is_v ? kTile * D * 2 : 0) + row * (2 * D) +
-                       16 * (is_v ? v_chunk(row, j) : k_chunk(row, j));
-  cp_async16(dst, (is_v ? v_rows : k_rows) + (int64_t)tok * D + 8 * j, 16u);
 }
 
 // The slot at shared address `slot` into registers, in KVTile's lane layout.
@@ -479,22 +491,33 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
   const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
 
-  // The warp's ring (copy_tile): its first kStages tiles are requested at once. With
-  // prefetch_cache that happens before the wait, all but row len - 1, which the kernel ahead may be
-  // writing (the decode step's append): that row is copied after the wait. (kRope: row pos is
-  // patched from the prologue instead; the kernel ahead writes no cache row.)
+  // kRope: the ring path (copy_tile), whose first kStages tiles are requested here; otherwise the
+  // register path, whose first two tiles are loaded into two register buffers (alternately consumed
+  // and refilled below). Why two paths: the ring needs 96 KB of shared memory a block, and beside
+  // the GEMVs of the batch-1 and batch-8 steps it lost (they run at a different shared-memory
+  // carveout, our reading); beside the cuBLAS products before rope_append_attention it won
+  // (bench/RESULTS.md, session 16). With prefetch_cache the first tiles are requested before the
+  // wait. The register path leaves out row len - 1, which the kernel ahead may be writing (the
+  // decode step's append), and loads a tile holding it again after the wait; the ring path
+  // (kRope) patches row pos from the prologue instead (the kernel ahead writes no cache row).
   constexpr int kStep = kWarps * kTile;
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
   unsigned char* ring = ring_smem + warp * (kStages * kSlotBytes);
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   int base = start + warp * kTile;
-  const int late = !kRope && prefetch_cache ? len - 1 : -1;
+  KVTile<D> buf0, buf1;  // the register path's buffers
+  if constexpr (kRope) {
 #pragma unroll
-  for (int i = 0; i < kStages; ++i) {
-    const int tb = base + i * kStep;
-    if (tb < end) copy_tile<D>(ring_s + i * kSlotBytes, k_rows, v_rows, tb, end, late, lane);
-    cp_async_commit();
+    for (int i = 0; i < kStages; ++i) {
+      const int tb = base + i * kStep;
+      if (tb < end) copy_tile<D>(ring_s + i * kSlotBytes, k_rows, v_rows, tb, end, lane);
+      cp_async_commit();
+    }
+  } else if (prefetch_cache && start < end) {
+    const int old_end = min(end, len - 1);
+    load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
+    load_tile<D>(buf1, k_rows, v_rows, base + kStep, old_end, g, t);
   }
   pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
 
@@ -539,13 +562,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     return;
   }
 
-  // Row len - 1, left out of the ring above, now that the kernel ahead has written it; then all of
-  // the warp's copies so far are waited for (only the warp whose tiles hold that row).
-  if (late >= base && late < end && late < base + kStages * kStep && (late - base) % kStep < kTile) {
-    const int i = (late - base) / kStep;
-    copy_row<D>(ring_s + i * kSlotBytes, k_rows, v_rows, base + i * kStep, late, lane);
-    cp_async_commit();
-    cp_async_wait<0>();
+  auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
+  if constexpr (!kRope) {
+    if (!prefetch_cache || holds_last(base)) load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
+    if (!prefetch_cache || holds_last(base + kStep)) {
+      load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
+    }
   }
   auto patch = [&](KVTile<D>& tile, int tile_base) {
     if constexpr (kRope) {
@@ -575,21 +597,36 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2t, 2t+1 (log2 units)
   float l0 = 0.f, l1 = 0.f;              // this lane's share of their running sums
 
-  // Each tile: wait for its slot (the kStages - 1 later tiles' copies stay in flight), read it into
-  // registers, refill the slot kStages tiles ahead, then compute.
-  for (int slot = 0; base < end; base += kStep, slot = slot + 1 == kStages ? 0 : slot + 1) {
-    cp_async_wait<kStages - 1>();
-    __syncwarp();  // every lane's copies into the slot are visible to the warp
-    KVTile<D> tile;
-    read_tile<D>(tile, ring_s + slot * kSlotBytes, g, t);
-    __syncwarp();  // every lane has read the slot before it is refilled
-    const int next = base + kStages * kStep;
-    if (next < end) copy_tile<D>(ring_s + slot * kSlotBytes, k_rows, v_rows, next, end, -1, lane);
-    cp_async_commit();
-    patch(tile, base);
-    attend_tile<D>(tile, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+  if constexpr (kRope) {
+    // Each tile: wait for its slot (the kStages - 1 later tiles' copies stay in flight), read it
+    // into registers, refill the slot kStages tiles ahead, then compute.
+    for (int slot = 0; base < end; base += kStep, slot = slot + 1 == kStages ? 0 : slot + 1) {
+      cp_async_wait<kStages - 1>();
+      __syncwarp();  // every lane's copies into the slot are visible to the warp
+      KVTile<D> tile;
+      read_tile<D>(tile, ring_s + slot * kSlotBytes, g, t);
+      __syncwarp();  // every lane has read the slot before it is refilled
+      const int next = base + kStages * kStep;
+      if (next < end) copy_tile<D>(ring_s + slot * kSlotBytes, k_rows, v_rows, next, end, lane);
+      cp_async_commit();
+      patch(tile, base);
+      attend_tile<D>(tile, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+    }
+    cp_async_wait<0>();  // (nothing is in flight past the last tile; the ring is reused below)
+  } else {
+    // Consume one buffer while the other's loads are in flight, then refill it two tiles ahead
+    // (written out twice rather than copied, so the buffers stay in registers).
+    while (base < end) {
+      attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+      base += kStep;
+      if (base >= end) break;
+      load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
+      attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
+      base += kStep;
+      if (base >= end) break;
+      load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
+    }
   }
-  cp_async_wait<0>();  // (nothing is in flight past the last tile; the ring is reused below)
   // The lane's share of l -> the whole warp's (m is already the same on the 8 lanes of a t).
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
@@ -597,11 +634,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     l1 += __shfl_xor_sync(0xffffffffu, l1, off);
   }
 
-  // Merge the warps: each puts (m, l, o) per head in shared memory, o in its own ring.
+  // Merge the warps: each puts (m, l, o) per head in shared memory (the ring path: o in the warp's
+  // own ring).
   __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+  __shared__ __align__(16) float sm_o_regs[kRope ? 1 : kWarps][kHeadsPerBlock][kRope ? 4 : D];
   static_assert(kHeadsPerBlock * D * 4 <= kStages * kSlotBytes, "a warp's o must fit its ring");
-  auto sm_o = [&](int w) {
-    return reinterpret_cast<float (*)[D]>(ring_smem + w * (kStages * kSlotBytes));
+  auto sm_o = [&](int w) -> float (*)[D] {
+    if constexpr (kRope) {
+      return reinterpret_cast<float (*)[D]>(ring_smem + w * (kStages * kSlotBytes));
+    } else {
+      return sm_o_regs[w];
+    }
   };
   __syncwarp();
   if (g == 0) {
@@ -943,9 +986,10 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
                     static_cast<unsigned>(B));
     auto* kernel = rope != nullptr ? decode_attention_split_kernel<kD, true>
                                    : decode_attention_split_kernel<kD, false>;
-    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kRingBytes<kD>, q.get_device(), op);
+    const int smem = rope != nullptr ? kRingBytes<kD> : 0;  // the ring path's ring
+    if (smem > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, q.get_device(), op);
     cudaError_t err = launch_pdl_clusters(
-        kernel, grid, dim3(kWarps * 32), kRingBytes<kD>, stream,
+        kernel, grid, dim3(kWarps * 32), static_cast<size_t>(smem), stream,
         in_cluster ? static_cast<unsigned>(splits) : 1u,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),

@@ -298,7 +298,7 @@ def test_prefetch_cache_after_the_append(start, S, D):
     row was poison before (huge K, NaN V), so reading it before the append finished would show; each
     replay matches the reference on the cache as appended. (S = 1000: 8 splits, merged in a cluster
     on sm_90. 45 rows: 2 splits of up to 8 tiles a warp, so the appended row also falls in tiles
-    past the warp's first kStages, which are copied after the wait.)"""
+    loaded after the wait, not only in the two loaded before it.)"""
     H, Hkv = 12, 2
     B = len(start)
     q, kc, vc = make_inputs(start, H, Hkv, D, S)
