@@ -19,12 +19,13 @@
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, with the next tiles'
 // K and V in flight while it computes one. Two ways, one per kernel instance:
 //   - decode_attention (the register path): the next tile's loads go straight into a second
-//     register buffer (216 registers a thread; one tile in flight while the other is used);
+//     register buffer (212 registers a thread; one tile in flight while the other is used);
 //   - rope_append_attention (the ring path): the tiles come through a ring of kStages slots in
 //     shared memory (cp.async), so kStages tiles are in flight and only the one being computed
-//     sits in registers (182 registers, 96 KB of shared memory a block). Beside the cuBLAS products
-//     of the batched step it is 1.4 us a layer faster; beside the GEMVs of the small batches it was
-//     slower, so decode_attention keeps the registers (bench/RESULTS.md, session 16).
+//     sits in registers (204 registers, 96 KB of shared memory a block). Beside the cuBLAS products
+//     of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention beside
+//     the GEMVs of the small batches it was slower, so decode_attention keeps the registers
+//     (bench/RESULTS.md, session 16).
 // The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: the partials stay in shared memory and
