@@ -115,6 +115,16 @@ def test_gemv_wide_writes_only_its_rows(M):
     assert torch.isnan(buf[M:]).all() and torch.isnan(buf[:, N:]).all(), "wrote outside out"
 
 
+def _check_rows_independent(M, N, K, part, first):
+    """M rows at once give the same bits as calls of `part` rows, and their first `first` rows as one
+    call of `first`."""
+    x, w, b = _inputs(M, N, K)
+    wide = _gemv(x, w, b, _poisoned(M, N))
+    for r in range(0, M, part):
+        assert torch.equal(wide[r: r + part], _gemv(x[r: r + part], w, b, _poisoned(part, N)))
+    assert torch.equal(wide[:first], _gemv(x[:first], w, b, _poisoned(first, N)))
+
+
 @pytest.mark.gpu
 def test_gemv_wide_rows_independent(monkeypatch):
     """Among the rows the wgmma kernel takes (M > 16) a row's result is the same bits whatever the
@@ -123,12 +133,7 @@ def test_gemv_wide_rows_independent(monkeypatch):
     if not WGMMA:
         pytest.skip(NO_WGMMA)
     monkeypatch.setenv("DECODEX_GEMV_WIDE_CONFIG", "64,4,4")
-    M, N, K = 64, 1536, 8960
-    x, w, b = _inputs(M, N, K)
-    wide = _gemv(x, w, b, _poisoned(M, N))
-    for r in range(0, M, 32):
-        assert torch.equal(wide[r: r + 32], _gemv(x[r: r + 32], w, b, _poisoned(32, N)))
-    assert torch.equal(wide[:17], _gemv(x[:17], w, b, _poisoned(17, N)))
+    _check_rows_independent(64, 1536, 8960, 32, 17)
 
 
 @pytest.mark.gpu
@@ -138,12 +143,7 @@ def test_gemv_wide_mma_rows_independent(monkeypatch):
     two calls of 16, and the first 9 of them one call of 9."""
     monkeypatch.delenv("DECODEX_GEMV_WIDE_CONFIG", raising=False)
     monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,4,1,4")
-    M, N, K = 32, 1536, 1536
-    x, w, b = _inputs(M, N, K)
-    wide = _gemv(x, w, b, _poisoned(M, N))
-    for r in range(0, M, 16):
-        assert torch.equal(wide[r: r + 16], _gemv(x[r: r + 16], w, b, _poisoned(16, N)))
-    assert torch.equal(wide[:9], _gemv(x[:9], w, b, _poisoned(9, N)))
+    _check_rows_independent(32, 1536, 1536, 16, 9)
 
 
 @pytest.mark.gpu
