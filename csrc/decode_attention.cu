@@ -26,7 +26,8 @@
 //     of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention beside
 //     the GEMVs of the small batches it was slower, so decode_attention keeps the registers
 //     (bench/RESULTS.md, session 16).
-// The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
+// The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head,
+// split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: the partials stay in shared memory and
 // the cluster merges them through distributed shared memory and writes bf16 (merge_cluster), with
@@ -134,13 +135,11 @@ __device__ __forceinline__ void load_tile(KVTile<D>& tile, const __nv_bfloat16* 
 }
 
 // The ring path (rope_append_attention): a warp's ring of kStages slots, each one tile's K rows
-// then V rows (16 x D bf16 each), filled by
-// cp.async (16-byte chunks, L2 only) and read into a KVTile just before the tile is used, so the
-// copies of the next kStages tiles stay in flight while the warp computes (the registers hold one
-// tile, not the two in-flight buffers of loads straight into registers). Chunks are placed with an
-// XOR swizzle so that the KVTile reads below are free of bank conflicts: K row r's chunk j sits at
-// chunk j ^ 4(r & 1) (a quarter warp reads rows g, g + 1 at chunks 4c + t), V row r's chunk j at
-// j ^ (r & 6) (a quarter warp reads rows 2t + e at chunks 8h + g, g in {2q, 2q + 1}).
+// then V rows (16 x D bf16 each), filled by cp.async (16-byte chunks, L2 only) and read into a
+// KVTile just before the tile is used. Chunks are placed with an XOR swizzle so that the KVTile
+// reads below are free of bank conflicts: K row r's chunk j sits at chunk j ^ 4(r & 1) (a quarter
+// warp reads rows g, g + 1 at chunks 4c + t), V row r's chunk j at j ^ (r & 6) (a quarter warp
+// reads rows 2t + e at chunks 8h + g, g in {2q, 2q + 1}).
 template <int D>
 constexpr int kTileBytes = 2 * kTile * D * 2;  // K and V of one tile, bf16
 template <int D>
@@ -492,15 +491,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
   const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
 
-  // kRope: the ring path (copy_tile), whose first kStages tiles are requested here; otherwise the
-  // register path, whose first two tiles are loaded into two register buffers (alternately consumed
-  // and refilled below). Why two paths: the ring needs 96 KB of shared memory a block, and beside
-  // the GEMVs of the batch-1 and batch-8 steps it lost (they run at a different shared-memory
-  // carveout, our reading); beside the cuBLAS products before rope_append_attention it won
-  // (bench/RESULTS.md, session 16). With prefetch_cache the first tiles are requested before the
-  // wait. The register path leaves out row len - 1, which the kernel ahead may be writing (the
-  // decode step's append), and loads a tile holding it again after the wait; the ring path
-  // (kRope) patches row pos from the prologue instead (the kernel ahead writes no cache row).
+  // The first tiles (the header says why two paths): kRope, the ring path's first kStages copies;
+  // otherwise the register path's first two tiles, one per buffer. With prefetch_cache they are
+  // requested before the wait. The register path leaves out row len - 1, which the kernel ahead
+  // may be writing (the decode step's append), and loads a tile holding it again after the wait;
+  // the ring path patches row pos from the prologue instead (the kernel ahead writes no cache row).
   constexpr int kStep = kWarps * kTile;
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
@@ -563,8 +558,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
     return;
   }
 
-  auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
   if constexpr (!kRope) {
+    auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
     if (!prefetch_cache || holds_last(base)) load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
     if (!prefetch_cache || holds_last(base + kStep)) {
       load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
@@ -638,6 +633,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   // Merge the warps: each puts (m, l, o) per head in shared memory (the ring path: o in the warp's
   // own ring).
   __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+  // The register path's o (a token array in the ring path, which never uses it).
   __shared__ __align__(16) float sm_o_regs[kRope ? 1 : kWarps][kHeadsPerBlock][kRope ? 4 : D];
   static_assert(kHeadsPerBlock * D * 4 <= kStages * kSlotBytes, "a warp's o must fit its ring");
   auto sm_o = [&](int w) -> float (*)[D] {
