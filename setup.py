@@ -6,6 +6,7 @@ GEMV falls back to its mma.sync kernel) and CUDA_HOME defaults to the toolkit nv
 The module uses Python's stable ABI (abi3), so one build serves every Python version.
 """
 import glob
+import importlib.util
 import os
 import shutil
 
@@ -57,16 +58,42 @@ nvcc_flags += SM90A
 if os.environ.get("DECODEX_PTXAS_VERBOSE"):
     nvcc_flags.append("-Xptxas=-v")
 
+
+
+def _cublaslt():
+    """(include dir, library dir, library file name) of cuBLASLt (csrc/lt_linear.cu calls it): the
+    CUDA toolkit's, else the nvidia-cublas wheel's that torch's CUDA build depends on (torch has
+    loaded that library by the time decodex._C loads, so the soname resolves to it)."""
+    roots = [os.environ["CUDA_HOME"]] if os.environ.get("CUDA_HOME") else []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            roots += sorted(glob.glob(os.path.join(loc, "*")))
+    for root in roots:
+        for inc, lib in (("include", "lib64"), ("include", "lib"),
+                         ("targets/x86_64-linux/include", "targets/x86_64-linux/lib")):
+            header = os.path.join(root, inc, "cublasLt.h")
+            libs = sorted(glob.glob(os.path.join(root, lib, "libcublasLt.so*")), key=len)
+            if os.path.exists(header) and libs:
+                return os.path.dirname(header), os.path.dirname(libs[0]), os.path.basename(libs[0])
+    raise RuntimeError("decodex needs cuBLASLt's header and library (cublasLt.h, libcublasLt.so*): "
+                       "none under CUDA_HOME or the nvidia-* wheels; install torch's CUDA build "
+                       "(it depends on nvidia-cublas) or a full CUDA toolkit")
+
+
+LT_INCLUDE, LT_LIBDIR, LT_LIB = _cublaslt()
+
 setup(
     ext_modules=[
         CUDAExtension(
             name="decodex._C",
             sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
-            include_dirs=[os.path.join(HERE, "csrc")],
+            include_dirs=[os.path.join(HERE, "csrc"), LT_INCLUDE],
             extra_compile_args={
                 "cxx": ["-O3", f"-std={CXX_STD}"] + SM90A,
                 "nvcc": nvcc_flags,
             },
+            extra_link_args=[f"-L{LT_LIBDIR}", f"-l:{LT_LIB}", f"-Wl,-rpath,{LT_LIBDIR}"],
             py_limited_api=True,
         )
     ],

@@ -19,7 +19,8 @@ import sys
 import time
 import traceback
 
-OPS = ["gemv", "gemv_silu_mul", "gemv_rope_append", "decode_attention", "rope_append_attention", "rms_norm", "rope_append", "silu_mul", "argmax", "sample"]
+OPS = ["gemv", "gemv_silu_mul", "gemv_rope_append", "lt_linear", "decode_attention", "rope_append_attention",
+       "rms_norm", "rope_append", "silu_mul", "argmax", "sample"]
 
 
 class _Tee(io.TextIOBase):

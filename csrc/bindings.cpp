@@ -81,6 +81,16 @@ TORCH_LIBRARY(decodex, m) {
   m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor positions, Tensor(a!) out) -> ()");
   // For each live row (positions[b] >= 0): positions[b] += 1; lengths[b] = positions[b] + 1.
   m.def("advance_positions(Tensor(a!) positions, Tensor(b!) lengths) -> ()");
+  // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) (accumulate: out += that, rounded once) by
+  // cuBLASLt with candidate number `algo` of this problem's list (0 <= algo < lt_linear_algos(...)
+  // with the same arguments); bf16, fp32 accumulation. workspace: a uint8 CUDA buffer the chosen
+  // algorithm may use (its size is part of the problem). For callers that time the candidates.
+  m.def("lt_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, Tensor(b!) workspace, "
+        "int algo, bool accumulate=False) -> ()");
+  // How many candidate algorithms lt_linear has for these arguments (shapes, strides, pointer
+  // alignments, bias, accumulate, workspace size, device); 0 if cuBLASLt has none.
+  m.def("lt_linear_algos(Tensor x, Tensor weight, Tensor? bias, Tensor out, Tensor workspace, "
+        "bool accumulate=False) -> int");
 }
 
 TORCH_LIBRARY_IMPL(decodex, CUDA, m) {
@@ -96,4 +106,6 @@ TORCH_LIBRARY_IMPL(decodex, CUDA, m) {
   m.impl("argmax", &decodex::argmax);
   m.impl("sample", &decodex::sample);
   m.impl("advance_positions", &decodex::advance_positions);
+  m.impl("lt_linear", &decodex::lt_linear);
+  m.impl("lt_linear_algos", &decodex::lt_linear_algos);
 }

@@ -124,4 +124,20 @@ inline void advance_positions(T& positions, T& lengths) {
   h.call(positions, lengths);
 }
 
+// cuBLASLt's candidate `algo` (0 <= algo < lt_linear_algos(...) for the same arguments) for
+// out (+)= x @ weight^T (+ bias); workspace: a uint8 CUDA buffer.
+inline void lt_linear(const T& x, const T& weight, const OptT& bias, T& out, T& workspace,
+                      int64_t algo, bool accumulate = false) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, T&, int64_t, bool)>(
+      "decodex::lt_linear");
+  h.call(x, weight, bias, out, workspace, algo, accumulate);
+}
+
+inline int64_t lt_linear_algos(const T& x, const T& weight, const OptT& bias, const T& out,
+                               const T& workspace, bool accumulate = false) {
+  static auto h = detail::op<int64_t(const T&, const T&, const OptT&, const T&, const T&, bool)>(
+      "decodex::lt_linear_algos");
+  return h.call(x, weight, bias, out, workspace, accumulate);
+}
+
 }  // namespace decodex_ops

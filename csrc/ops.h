@@ -39,5 +39,10 @@ void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::T
             const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,
             at::Tensor& out);
 void advance_positions(at::Tensor& positions, at::Tensor& lengths);
+void lt_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               at::Tensor& out, at::Tensor& workspace, int64_t algo, bool accumulate);
+int64_t lt_linear_algos(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, const at::Tensor& out,
+                        const at::Tensor& workspace, bool accumulate);
 
 }  // namespace decodex

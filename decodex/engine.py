@@ -21,18 +21,18 @@ their (weight-bound, hence almost free) share of the GEMVs.
 
 Matrix products: decodex's fused GEMVs (rms_eps, gemv_rope_append, gemv_silu_mul) take at most 8
 rows, and gemv_silu_mul up to 64 where its wgmma kernel runs (sm_90a build, cc 9.0 device); the
-plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of four
+plain gemv takes up to 64. For graphs of more than 8 rows each weight shape uses whichever of five
 plans was fastest when timed once, at that graph's first capture, over all layers' weights of that
 shape (L2-cold): "cublas" (one torch.mm over all rows), "cublaslt" (the same with torch's preferred
-BLAS library set to cuBLASLt for the call), "gemv" (one decodex.gemv over all rows, up to 64) and
-"gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first three are a
-product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv" plan's
-gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with rms_eps,
-product, scale and activation in one wgmma kernel. The plans so chosen
-are then kept only if the whole step replays faster with them than with every product on cuBLAS,
+BLAS library set to cuBLASLt for the call), "lt_linear" (decodex.lt_linear: cuBLASLt with the
+fastest of its candidate algorithms, each timed the same way), "gemv" (one decodex.gemv over all
+rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first four
+are a product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv"
+plan's gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with
+rms_eps, product, scale and activation in one wgmma kernel. The plans so chosen are then kept only if the whole step replays faster with them than with every product on cuBLAS,
 both timed with every row dead; last, each product's other plans are tried in turn with the rows
 reading the cache (attention at work, nothing appended), and a change is kept where the step gains
-(_refine_plans). After a cuBLAS or wide-gemv qkv product, rope_append's work (the 1/rms scale, the
+(_refine_plans). After a wide qkv product (cuBLAS, lt_linear or the wide gemv), rope_append's work (the 1/rms scale, the
 bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where the
 attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
 before decode_attention (_fused_rope_attention).
@@ -98,14 +98,18 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # (bench/RESULTS.md, session 5).
 RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
-# How a product runs in a graph of more than 8 rows (_plan); the first three compute the product
+# How a product runs in a graph of more than 8 rows (_plan); the first four compute the product
 # alone. "cublaslt" is "cublas" (torch.mm / addmm_) with torch's preferred BLAS library set to
 # cuBLASLt while the call is made and captured (blas_library): other kernels for some shapes, e.g.
 # the 7B down projection at 64 rows, 37.5 us against 41.4 (bench/RESULTS.md, session 15; bench.gemv's
-# "cuBLASLt us" column times it).
-PLANS = ("cublas", "cublaslt", "gemv", "gemv8")
-WIDE_PLANS = ("cublas", "cublaslt", "gemv")
-CUBLAS_PLANS = ("cublas", "cublaslt")
+# "cuBLASLt us" column times it). "lt_linear" is decodex.lt_linear with the fastest of its cuBLASLt
+# candidates for that product, each timed over the layers like a plan (_time_lt_linear): torch
+# takes the heuristic's first answer, and at 64 rows the 1.5B gate|up product's best candidate took
+# 16.1 us against 18.6 (bench/RESULTS.md, session 17).
+PLANS = ("cublas", "cublaslt", "lt_linear", "gemv", "gemv8")
+WIDE_PLANS = ("cublas", "cublaslt", "lt_linear", "gemv")
+BLAS_PLANS = ("cublas", "cublaslt", "lt_linear")  # cuBLAS(Lt) products, torch's or lt_linear's
+LT_WORKSPACE_BYTES = 32 << 20  # lt_linear's workspace (its split-K candidates' fp32 partials)
 WIDE_GEMV_MAX_ROWS = 64  # decodex.gemv's limit on the rows of x (without rms_eps)
 # Above this many rows decodex.gemv runs its wgmma kernel where there is one (csrc/gemv.h's
 # kWgmmaMinRows), and the "gemv" plan's gate|up is one gemv_silu_mul; up to it, gemv then silu_mul.
@@ -536,6 +540,8 @@ class CudaGraphRunner(HostLoop):
                             for n in self.sizes}
             ws = max(n * H * self._splits[n] * (D + 2) for n in self.sizes)
             self._workspace = torch.empty(ws, dtype=torch.float32, device=dev)
+            self._lt_workspace = (torch.empty(LT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+                                  if "lt_linear" in self.plans else None)
             # The rows one gemv_silu_mul takes here: 64 where its wgmma kernel runs, else 8.
             self._silu_rows = int(torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device()))
             # Host side: the pinned ring the tokens land in, one event per slot.
@@ -544,6 +550,10 @@ class CudaGraphRunner(HostLoop):
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> one of PLANS
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
+        # (n, weight name) -> lt_linear's candidate in use, and what each candidate measured
+        self.lt_algo: dict[tuple[int, str], int] = {}
+        self.lt_times_us: dict[tuple[int, str], list[float]] = {}
+        self._lt_count: dict[tuple[int, str], int] = {}  # candidates, counted while planning
         self.num_captures = 0
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
         self.rms_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
@@ -615,25 +625,51 @@ class CudaGraphRunner(HostLoop):
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
         rms_eps is given (gemv8 only)."""
-        plan = self._plan(n, name)
-        if plan in CUBLAS_PLANS:
-            with blas_library(plan):
-                _cublas_linear(x, w, b, out)
+        if self._plan(n, name) in BLAS_PLANS:
+            self._blas(n, name, x, w, b, out, accumulate=False)
             return
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
 
+    def _blas(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
+        """out (+)= x @ w^T (+ b) by a BLAS plan: torch (cuBLAS, or cuBLASLt by blas_library) or
+        lt_linear with the candidate chosen for this product. accumulate (no bias: _add_product
+        sends a biased product to delta): beta = 1, the sum rounded once."""
+        plan = self._plan(n, name)
+        if plan == "lt_linear":
+            self._lt_linear(n, name, x, w, b, out, accumulate)
+            return
+        with blas_library(plan):
+            if accumulate:
+                out.addmm_(x, w.t())
+            else:
+                _cublas_linear(x, w, b, out)
+
+    def _lt_linear(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
+        """lt_linear with the candidate chosen for product `name`; before one is chosen (while
+        _time_lt_linear plans it), counts the candidates and runs the first, if any."""
+        key = (n, name)
+        algo = self.lt_algo.get(key)
+        if algo is None:
+            # The list depends on the call's problem, pointer alignments included: the layers'
+            # lists could differ in length, so keep the shortest.
+            count = int(torch.ops.decodex.lt_linear_algos(x, w, b, out, self._lt_workspace, accumulate))
+            count = self._lt_count[key] = min(count, self._lt_count.get(key, count))
+            if count == 0:
+                return
+            algo = 0
+        torch.ops.decodex.lt_linear(x, w, b, out, self._lt_workspace, algo, accumulate)
+
     def _add_product(self, n: int, name: str, x, w, b) -> None:
         """residual[n] += x @ w^T (+ b): gemv with accumulate (_gemv_rows: 8-row chunks, or all rows
-        at once by the "gemv" plan), or cuBLAS: in place (beta = 1, the sum rounded once) without a
-        bias, else into delta, which the next norm adds (_normed)."""
+        at once by the "gemv" plan), or a BLAS plan: in place (beta = 1, the sum rounded once)
+        without a bias, else into delta, which the next norm adds (_normed)."""
         plan = self._plan(n, name)
-        if plan in CUBLAS_PLANS:
-            with blas_library(plan):
-                if b is None:
-                    self.residual[:n].addmm_(x, w.t())
-                    return
-                _cublas_linear(x, w, b, self.delta[:n])
+        if plan in BLAS_PLANS:
+            if b is None:
+                self._blas(n, name, x, w, None, self.residual[:n], accumulate=True)
+                return
+            self._blas(n, name, x, w, b, self.delta[:n], accumulate=False)
             self._pending_delta = True
             return
         residual = self.residual[:n]
@@ -911,10 +947,31 @@ class CudaGraphRunner(HostLoop):
             times = {}
             for plan in plans_at(self.plans, n):
                 self.linear_plan[(n, name)] = plan
-                times[plan] = replay_us(run, calls)
+                if plan != "lt_linear":
+                    times[plan] = replay_us(run, calls)
+                elif (us := self._time_lt_linear(n, name, run, lambda: replay_us(run, calls))) is not None:
+                    times[plan] = us
             self.linear_times_us[(n, name)] = times
             self.linear_plan[(n, name)] = min(times, key=times.get)
         self._pending_delta = False
+
+    def _time_lt_linear(self, n: int, name: str, run, timed) -> float | None:
+        """Times each of lt_linear's candidates for product `name` (run(): one step's worth of
+        the product, its plan set to "lt_linear"; timed(): us per call of it), keeps the fastest
+        in lt_algo and returns its time; None if cuBLASLt has no candidate for it."""
+        key = (n, name)
+        self.lt_algo.pop(key, None)
+        self._lt_count.pop(key, None)
+        run()  # with no candidate chosen, _lt_linear counts them
+        times = []
+        for algo in range(self._lt_count[key]):
+            self.lt_algo[key] = algo
+            times.append(timed())
+        if not times:
+            return None
+        self.lt_times_us[key] = times
+        self.lt_algo[key] = min(range(len(times)), key=times.__getitem__)
+        return times[self.lt_algo[key]]
 
     # ---- row state (all queued on self.stream, no host sync) --------------------------------------
 

@@ -18,7 +18,7 @@ if _ext.available():
 
     for _name in ("gemv", "gemv_silu_mul", "gemv_rope_append", "rms_norm", "fused_add_rms_norm",
                   "rope_append", "silu_mul", "decode_attention", "rope_append_attention", "argmax", "sample",
-                  "advance_positions"):
+                  "advance_positions", "lt_linear"):
         torch.library.register_fake(f"decodex::{_name}")(_no_output)
 
 

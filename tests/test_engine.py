@@ -516,7 +516,8 @@ def test_checking_plans_keeps_the_faster_set_then_refines(per_product_ms, keeps)
 def test_plans_at():
     """The wide gemv only up to WIDE_GEMV_MAX_ROWS rows."""
     assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS) == list(engine.PLANS)
-    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS + 1) == ["cublas", "cublaslt", "gemv8"]
+    assert engine.plans_at(engine.PLANS, engine.WIDE_GEMV_MAX_ROWS + 1) == ["cublas", "cublaslt", "lt_linear",
+                                                                              "gemv8"]
 
 
 @pytest.mark.parametrize("raises", [False, True])
