@@ -51,7 +51,6 @@ def rows(bw: float, ms=MS, only: str | None = None) -> list[list]:
             gbs = 2 * (N * K + M * K + M * N) / lt[best] / 1e3
             out.append([f"{label} M={M}", 2 * N * K / 1e6, cublas, lt[0], lt[best], best, len(lt), gbs,
                         100 * gbs / bw, cublas / lt[best]])
-            print(out[-1], flush=True)
         del weights
         torch.cuda.empty_cache()
     return out

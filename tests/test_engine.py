@@ -535,6 +535,26 @@ def test_blas_library_is_set_for_the_call_only(raises):
     assert torch.backends.cuda.preferred_blas_library() == before
 
 
+@pytest.mark.parametrize("count", [0, 3])
+def test_time_lt_linear_keeps_the_fastest_candidate(count):
+    """_time_lt_linear on a stand-in runner (no GPU): run() counts the candidates (as _lt_linear does
+    with none chosen), each is timed once, the fastest is kept; with none, the plan is not offered."""
+    r = engine.CudaGraphRunner.__new__(engine.CudaGraphRunner)
+    r.lt_algo, r.lt_times_us, r._lt_count = {(16, "o"): 7}, {}, {(16, "o"): 9}
+    key, made_up = (16, "o"), [5.0, 4.0, 6.0]
+
+    def run():
+        assert key not in r.lt_algo and key not in r._lt_count, "a stale choice or count was kept"
+        r._lt_count[key] = count
+
+    timed = []
+    us = r._time_lt_linear(16, "o", run, lambda: timed.append(r.lt_algo[key]) or made_up[r.lt_algo[key]])
+    if count == 0:
+        assert us is None and timed == [] and key not in r.lt_times_us
+    else:
+        assert us == 4.0 and r.lt_algo[key] == 1 and timed == [0, 1, 2] and r.lt_times_us[key] == made_up
+
+
 def test_refine_plans_keeps_only_real_gains():
     """_refine_plans on a stand-in runner (no GPU): each product's other plans tried in turn, the
     step times made up. o on the wide gemv is 5% faster and kept; o on gemv8 (0.2%, under
@@ -581,6 +601,9 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
     print(f"{name}: linear plan for 16 rows: {plan}, times (us): "
           f"{ {k: v for k, v in runner.linear_times_us.items() if k[0] == 16} }")
     assert set(name for _, name in plan) == set(engine.PRODUCTS)
+    for key, p in plan.items():  # an lt_linear product runs the candidate its timing chose
+        assert p != "lt_linear" or runner.lt_algo[key] == min(
+            range(len(runner.lt_times_us[key])), key=runner.lt_times_us[key].__getitem__)
     checked, refined = runner.plan_step_ms[16], runner.plan_refine_ms[16]
     print(f"{name}: step ms with dead rows: {checked}; rows reading the cache: {refined}")
     # then every other plan of every product was tried with attention at work (_refine_plans)
