@@ -29,12 +29,13 @@ fastest of its candidate algorithms, each timed the same way), "gemv" (one decod
 rows, up to 64) and "gemv8" (the fused GEMVs over 8-row chunks). For qkv and gate|up the first four
 are a product then rope_append / silu_mul, which scale it by 1/rms(residual); except the "gemv"
 plan's gate|up above WGMMA_MIN_ROWS rows where gemv_silu_mul takes them: one gemv_silu_mul with
-rms_eps, product, scale and activation in one wgmma kernel. The plans so chosen are then kept only if the whole step replays faster with them than with every product on cuBLAS,
-both timed with every row dead; last, each product's other plans are tried in turn with the rows
-reading the cache (attention at work, nothing appended), and a change is kept where the step gains
-(_refine_plans). After a wide qkv product (cuBLAS, lt_linear or the wide gemv), rope_append's work (the 1/rms scale, the
-bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where the
-attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
+rms_eps, product, scale and activation in one wgmma kernel. The plans so chosen are then kept only
+if the whole step replays faster with them than with every product on cuBLAS, both timed with every
+row dead; last, each product's other plans are tried in turn with the rows reading the cache
+(attention at work, nothing appended), and a change is kept where the step gains (_refine_plans).
+After a wide qkv product (cuBLAS, lt_linear or the wide gemv), rope_append's work (the 1/rms scale,
+the bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where
+the attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
 before decode_attention (_fused_rope_attention).
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
@@ -554,6 +555,7 @@ class CudaGraphRunner(HostLoop):
         self.lt_algo: dict[tuple[int, str], int] = {}
         self.lt_times_us: dict[tuple[int, str], list[float]] = {}
         self._lt_count: dict[tuple[int, str], int] = {}  # candidates, counted while planning
+        self._lt_counting = False  # _time_lt_linear's run that only counts them
         self.num_captures = 0
         self._pending_delta = False  # while a step is queued: delta holds a product not yet added
         self.rms_in_gemv: dict[int, tuple[str, ...]] = {}  # graph size -> products normed in their GEMV
@@ -646,8 +648,9 @@ class CudaGraphRunner(HostLoop):
                 _cublas_linear(x, w, b, out)
 
     def _lt_linear(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
-        """lt_linear with the candidate chosen for product `name`; before one is chosen (while
-        _time_lt_linear plans it), counts the candidates and runs the first, if any."""
+        """lt_linear with the candidate chosen for product `name`. Before one is chosen, counts the
+        candidates (into _lt_count), then returns while _time_lt_linear counts, else runs the
+        first (a plan forced untimed, as bench.decode --force-plans does)."""
         key = (n, name)
         algo = self.lt_algo.get(key)
         if algo is None:
@@ -655,8 +658,10 @@ class CudaGraphRunner(HostLoop):
             # lists could differ in length, so keep the shortest.
             count = int(torch.ops.decodex.lt_linear_algos(x, w, b, out, self._lt_workspace, accumulate))
             count = self._lt_count[key] = min(count, self._lt_count.get(key, count))
-            if count == 0:
+            if self._lt_counting:
                 return
+            if count == 0:
+                raise RuntimeError(f"lt_linear: cuBLASLt has no candidate for the {name} product at {n} rows")
             algo = 0
         torch.ops.decodex.lt_linear(x, w, b, out, self._lt_workspace, algo, accumulate)
 
@@ -962,7 +967,11 @@ class CudaGraphRunner(HostLoop):
         key = (n, name)
         self.lt_algo.pop(key, None)
         self._lt_count.pop(key, None)
-        run()  # with no candidate chosen, _lt_linear counts them
+        self._lt_counting = True  # run() only counts: _lt_linear computes nothing
+        try:
+            run()
+        finally:
+            self._lt_counting = False
         times = []
         for algo in range(self._lt_count[key]):
             self.lt_algo[key] = algo

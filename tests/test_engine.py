@@ -545,10 +545,12 @@ def test_time_lt_linear_keeps_the_fastest_candidate(count):
 
     def run():
         assert key not in r.lt_algo and key not in r._lt_count, "a stale choice or count was kept"
+        assert r._lt_counting, "the counting run would compute"
         r._lt_count[key] = count
 
     timed = []
     us = r._time_lt_linear(16, "o", run, lambda: timed.append(r.lt_algo[key]) or made_up[r.lt_algo[key]])
+    assert not r._lt_counting
     if count == 0:
         assert us is None and timed == [] and key not in r.lt_times_us
     else:

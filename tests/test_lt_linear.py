@@ -7,13 +7,15 @@ checks. CPU tests: schemas, fake impl, dispatcher refusal.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from decodex import reference
 from helpers import capture_graph
 
-QUICK = __import__("os").environ.get("DECODEX_TEST_QUICK") == "1"
+QUICK = os.environ.get("DECODEX_TEST_QUICK") == "1"
 # (M, N, K): decode's batched rows at odd sizes, and the 1.5B shapes at 64 rows.
 SHAPES = [(1, 7, 8), (3, 769, 136), (16, 256, 1544), (27, 2048, 1536), (64, 1536, 8960), (64, 17920, 1536)]
 if QUICK:
