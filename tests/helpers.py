@@ -122,6 +122,15 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def linear_inputs(M: int, N: int, K: int, bias: bool = True, device="cuda"):
+    """x [M, K] ~ N(0, 1), weight [N, K] ~ N(0, 1/K), bias [N] ~ N(0, 0.25) (None without bias), bf16:
+    the product's outputs are O(1)."""
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
+    b = (0.5 * torch.randn(N, device=device)).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
 def norm_inputs(M: int, K: int, device="cuda"):
     """x with rows of different scales (rms from ~0.3 to ~5) and a norm weight ~ 1 + 0.2 N(0, 1)."""
     scale = torch.exp(torch.linspace(-1.2, 1.6, M, device=device))[:, None]

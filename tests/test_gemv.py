@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs, wgmma_available
+from helpers import capture_graph, linear_inputs as _inputs, norm_inputs, wgmma_available
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer sizes, no cuBLAS check
 
@@ -38,14 +38,6 @@ if QUICK:
 RTOL = 2.0**-8
 ACC_FACTOR = 8.0
 EPS32 = torch.finfo(torch.float32).eps
-
-
-def _inputs(M, N, K, bias=True, device="cuda"):
-    """x ~ N(0, 1), weight ~ N(0, 1/K), bias ~ N(0, 0.25): outputs are O(1)."""
-    x = torch.randn(M, K, device=device).to(torch.bfloat16)
-    w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
-    b = (0.5 * torch.randn(N, device=device)).to(torch.bfloat16) if bias else None
-    return x, w, b
 
 
 def _poisoned(M, N, device="cuda"):

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph
+from helpers import capture_graph, linear_inputs
 
-QUICK = os.environ.get("DECODEX_TEST_QUICK") == "1"
+QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer shapes
 # (M, N, K): decode's batched rows at odd sizes, and the 1.5B shapes at 64 rows.
 SHAPES = [(1, 7, 8), (3, 769, 136), (16, 256, 1544), (27, 2048, 1536), (64, 1536, 8960), (64, 17920, 1536)]
 if QUICK:
@@ -33,14 +33,6 @@ RTOL = 2.0**-8
 ACC_FACTOR = 8.0
 EPS32 = torch.finfo(torch.float32).eps
 SPLIT_TOL = 16 * 2.0**-9
-
-
-def _inputs(M, N, K, bias=False, device="cuda"):
-    """x ~ N(0, 1), weight ~ N(0, 1/K), bias ~ N(0, 0.25): outputs are O(1)."""
-    x = torch.randn(M, K, device=device).to(torch.bfloat16)
-    w = (torch.randn(N, K, device=device) / K**0.5).to(torch.bfloat16)
-    b = (0.5 * torch.randn(N, device=device)).to(torch.bfloat16) if bias else None
-    return x, w, b
 
 
 def _workspace():
@@ -79,7 +71,7 @@ def _algos(x, w, b, out, ws, accumulate=False):
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_lt_linear_every_algo(M, N, K, bias):
-    x, w, b = _inputs(M, N, K, bias)
+    x, w, b = linear_inputs(M, N, K, bias)
     x0, w0 = x.clone(), w.clone()
     ws = _workspace()
     out = _poisoned(M, N)
@@ -98,7 +90,7 @@ def test_lt_linear_every_algo(M, N, K, bias):
 @pytest.mark.parametrize("M,N,K", SHAPES[:2] + SHAPES[-2:])
 def test_lt_linear_accumulate(M, N, K):
     """out += x @ w^T (beta = 1): what the engine's o and down products do to the residual."""
-    x, w, _ = _inputs(M, N, K)
+    x, w, _ = linear_inputs(M, N, K, bias=False)
     ws = _workspace()
     before = torch.randn(M, N, device="cuda").to(torch.bfloat16)
     out = before.clone()
@@ -135,7 +127,7 @@ def test_lt_linear_strided(M):
 def test_lt_linear_cuda_graph():
     """Captured once, replayed on new x: the same algorithm computes each new product."""
     M, N, K = 32, 2048, 1536
-    x, w, b = _inputs(M, N, K, bias=True)
+    x, w, b = linear_inputs(M, N, K, bias=True)
     ws, out = _workspace(), _poisoned(M, N)
     algo = _algos(x, w, b, out, ws) - 1  # the list's last: a forced split-K where there is one
     graph = capture_graph(lambda: torch.ops.decodex.lt_linear(x, w, b, out, ws, algo))
@@ -149,7 +141,7 @@ def test_lt_linear_cuda_graph():
 
 @pytest.mark.gpu
 def test_lt_linear_opcheck():
-    x, w, b = _inputs(5, 136, 64, bias=True)
+    x, w, b = linear_inputs(5, 136, 64, bias=True)
     ws = _workspace()
     torch.library.opcheck(torch.ops.decodex.lt_linear.default, (x, w, b, _poisoned(5, 136), ws, 0))
 
@@ -158,7 +150,7 @@ def test_lt_linear_opcheck():
 def test_lt_linear_the_list_is_fixed():
     """Same problem, same count (the list is cached: an index chosen once stays valid); another
     problem (here: accumulate) may have another list."""
-    x, w, _ = _inputs(16, 512, 256)
+    x, w, _ = linear_inputs(16, 512, 256, bias=False)
     ws, out = _workspace(), _poisoned(16, 512)
     assert _algos(x, w, None, out, ws) == _algos(x.clone(), w.clone(), None, out.clone(), ws)
     _algos(x, w, None, out, ws, accumulate=True)
@@ -167,7 +159,7 @@ def test_lt_linear_the_list_is_fixed():
 @pytest.mark.gpu
 def test_lt_linear_rejects():
     ops = torch.ops.decodex
-    x, w, b = _inputs(4, 64, 32, bias=True)
+    x, w, b = linear_inputs(4, 64, 32, bias=True)
     ws, out = _workspace(), _poisoned(4, 64)
     n = _algos(x, w, b, out, ws)
 
@@ -219,7 +211,7 @@ def test_lt_linear_fake_tensor_mode():
 
 @pytest.mark.ext
 def test_lt_linear_cpu_tensors_refused():
-    x, w, _ = _inputs(2, 16, 8, device="cpu")
+    x, w, _ = linear_inputs(2, 16, 8, bias=False, device="cpu")
     out, ws = torch.empty(2, 16, dtype=torch.bfloat16), torch.empty(64, dtype=torch.uint8)
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.ops.decodex.lt_linear(x, w, None, out, ws, 0)
