@@ -43,7 +43,7 @@ if has sanitize; then
     echo "compute-sanitizer $tool ($*): exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
     grep -E "Race reported between" "$log" | sed -E 's/.*access at ([A-Za-z_0-9]+).*/  race in \1/' | sort | uniq -c
   }
-  sanitize memcheck memcheck tests/test_gemv.py "${OP_TESTS[@]}"
+  sanitize memcheck memcheck tests/test_gemv.py tests/test_lt_linear.py "${OP_TESTS[@]}"  # lt_linear: cuBLASLt, so memcheck only
   sanitize racecheck racecheck "${OP_TESTS[@]}"
   sanitize racecheck_gemv racecheck tests/test_gemv.py
 fi
