@@ -18,10 +18,10 @@ import torch
 
 from bench.common import print_table, read_bandwidth_gbs, time_graph
 from bench.gemv import SHAPES, _buffers, _selected, _stack, _time_cublas
+from decodex.engine import LT_WORKSPACE_BYTES
 
 PRODUCTS = ("qkv", "o", "gate|up", "down", "lm_head")  # the engine's products
 MS = [16, 32, 64]
-WORKSPACE = 32 << 20  # bytes, the engine's LT_WORKSPACE_BYTES
 TITLE = "lt_linear: every cuBLASLt candidate vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "cuBLAS us", "first us", "best us", "best algo", "candidates", "GB/s",
            "% of bw", "speedup"]
@@ -38,7 +38,7 @@ def _time_lt(weights, M: int, ws) -> list[float]:
 def rows(bw: float, ms=MS, only: str | None = None) -> list[list]:
     import decodex  # noqa: F401  (registers torch.ops.decodex)
 
-    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    ws = torch.empty(LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     out = []
     for model, name, N, K in SHAPES:
         label = f"{model} {name} {N}x{K}"

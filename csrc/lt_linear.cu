@@ -4,8 +4,9 @@
 // Why: the batched decode step (more than 8 rows) runs its products on cuBLAS, and torch takes
 // the first answer of cuBLAS's heuristic. For the skinny products of decode (M = 16..64 rows,
 // weight-bound) that answer is often not the fastest: on the H200 at 64 rows the 1.5B gate|up
-// product took 18.6 us by torch's choice and 16.1 by the best of the list below (7B: 72.9 and 67.6;
-// bench/RESULTS.md, session 17). So the list is exposed and the caller times it: the engine times
+// product took 20.1 us on cuBLAS and 17.7 on the best of the list below (7B: 74.6 and 70.7;
+// `python -m bench.lt_linear --ms 64`, bench/RESULTS.md, session 17). So the list is exposed and
+// the caller times it: the engine times
 // every candidate over all layers' weights in a CUDA graph, as its other plans are timed.
 //
 // The candidates of a problem (shapes, strides, pointer alignments, accumulate, bias, workspace

@@ -106,7 +106,7 @@ DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for
 # "cuBLASLt us" column times it). "lt_linear" is decodex.lt_linear with the fastest of its cuBLASLt
 # candidates for that product, each timed over the layers like a plan (_time_lt_linear): torch
 # takes the heuristic's first answer, and at 64 rows the 1.5B gate|up product's best candidate took
-# 16.1 us against 18.6 (bench/RESULTS.md, session 17).
+# 17.7 us against cuBLAS's 20.1 (bench.lt_linear; bench/RESULTS.md, session 17).
 PLANS = ("cublas", "cublaslt", "lt_linear", "gemv", "gemv8")
 WIDE_PLANS = ("cublas", "cublaslt", "lt_linear", "gemv")
 BLAS_PLANS = ("cublas", "cublaslt", "lt_linear")  # cuBLAS(Lt) products, torch's or lt_linear's
@@ -641,6 +641,8 @@ class CudaGraphRunner(HostLoop):
         if plan == "lt_linear":
             self._lt_linear(n, name, x, w, b, out, accumulate)
             return
+        if accumulate and b is not None:
+            raise ValueError(f"_blas: accumulate with a bias is not supported ({name} at {n} rows)")
         with blas_library(plan):
             if accumulate:
                 out.addmm_(x, w.t())

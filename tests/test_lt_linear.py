@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decodex import reference
+from decodex.engine import LT_WORKSPACE_BYTES
 from helpers import capture_graph, linear_inputs
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer shapes
@@ -20,7 +21,6 @@ QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: f
 SHAPES = [(1, 7, 8), (3, 769, 136), (16, 256, 1544), (27, 2048, 1536), (64, 1536, 8960), (64, 17920, 1536)]
 if QUICK:
     SHAPES = [(3, 769, 136), (64, 1536, 8960)]
-WORKSPACE = 32 << 20  # bytes, as the engine's
 
 # Tolerance, bf16 output vs the fp32 reference:
 #  * RTOL = 2^-8: the output's rounding to bf16;
@@ -36,7 +36,7 @@ SPLIT_TOL = 16 * 2.0**-9
 
 
 def _workspace():
-    return torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    return torch.empty(LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
 
 
 def _poisoned(M, N):
@@ -67,22 +67,31 @@ def _algos(x, w, b, out, ws, accumulate=False):
     return n
 
 
+def _check_every_algo(x, w, b, out, ws, before=None, after=None):
+    """Every candidate in turn into out (poisoned first, or, with `before`, reset to it and
+    accumulated into), each result checked (_check), then after(algo) if given."""
+    n = _algos(x, w, b, out, ws, accumulate=before is not None)
+    for algo in range(n):
+        if before is None:
+            out.fill_(float("nan"))
+        else:
+            out.copy_(before)
+        torch.ops.decodex.lt_linear(x, w, b, out, ws, algo, accumulate=before is not None)
+        try:
+            _check(out, x, w, b, before=before)
+        except AssertionError as e:
+            raise AssertionError(f"algo {algo} of {n} (workspace {ws.numel()} bytes): {e}") from None
+        if after is not None:
+            after(algo)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_lt_linear_every_algo(M, N, K, bias):
     x, w, b = linear_inputs(M, N, K, bias)
     x0, w0 = x.clone(), w.clone()
-    ws = _workspace()
-    out = _poisoned(M, N)
-    n = _algos(x, w, b, out, ws)
-    for algo in range(n):
-        out.fill_(float("nan"))
-        torch.ops.decodex.lt_linear(x, w, b, out, ws, algo)
-        try:
-            _check(out, x, w, b)
-        except AssertionError as e:
-            raise AssertionError(f"algo {algo} of {n}: {e}") from None
+    _check_every_algo(x, w, b, _poisoned(M, N), _workspace())
     assert torch.equal(x, x0) and torch.equal(w, w0), "an input was modified"
 
 
@@ -91,17 +100,8 @@ def test_lt_linear_every_algo(M, N, K, bias):
 def test_lt_linear_accumulate(M, N, K):
     """out += x @ w^T (beta = 1): what the engine's o and down products do to the residual."""
     x, w, _ = linear_inputs(M, N, K, bias=False)
-    ws = _workspace()
     before = torch.randn(M, N, device="cuda").to(torch.bfloat16)
-    out = before.clone()
-    n = _algos(x, w, None, out, ws, accumulate=True)
-    for algo in range(n):
-        out.copy_(before)
-        torch.ops.decodex.lt_linear(x, w, None, out, ws, algo, accumulate=True)
-        try:
-            _check(out, x, w, None, before=before)
-        except AssertionError as e:
-            raise AssertionError(f"algo {algo} of {n}: {e}") from None
+    _check_every_algo(x, w, None, before.clone(), _workspace(), before=before)
 
 
 @pytest.mark.gpu
@@ -115,12 +115,11 @@ def test_lt_linear_strided(M):
     w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
     ob = _poisoned(M, N + 16)
     out = ob[:, 8: 8 + N]
-    ws = _workspace()
-    for algo in range(_algos(x, w, None, out, ws)):
-        out.fill_(float("nan"))
-        torch.ops.decodex.lt_linear(x, w, None, out, ws, algo)
-        _check(out, x, w, None)
+
+    def outside_untouched(algo):
         assert torch.isnan(ob[:, :8]).all() and torch.isnan(ob[:, 8 + N:]).all(), f"algo {algo} wrote outside out"
+
+    _check_every_algo(x, w, None, out, _workspace(), after=outside_untouched)
 
 
 @pytest.mark.gpu
@@ -147,13 +146,15 @@ def test_lt_linear_opcheck():
 
 
 @pytest.mark.gpu
-def test_lt_linear_the_list_is_fixed():
-    """Same problem, same count (the list is cached: an index chosen once stays valid); another
-    problem (here: accumulate) may have another list."""
-    x, w, _ = linear_inputs(16, 512, 256, bias=False)
-    ws, out = _workspace(), _poisoned(16, 512)
-    assert _algos(x, w, None, out, ws) == _algos(x.clone(), w.clone(), None, out.clone(), ws)
-    _algos(x, w, None, out, ws, accumulate=True)
+def test_lt_linear_workspace_size_is_part_of_the_problem():
+    """The cached list is per problem, workspace size included: after the list for a 32 MB
+    workspace (out-of-place split-K candidates, which need workspace) is cached, the same product
+    with an empty workspace gets its own list, and every candidate of it runs correctly there."""
+    M, N, K = 64, 1536, 8960  # down at 64 rows: split-K candidates exist
+    x, w, _ = linear_inputs(M, N, K, bias=False)
+    out = _poisoned(M, N)
+    _algos(x, w, None, out, _workspace())
+    _check_every_algo(x, w, None, out, torch.empty(0, dtype=torch.uint8, device="cuda"))
 
 
 @pytest.mark.gpu
