@@ -10,6 +10,11 @@ bandwidth measured in this run. "prefetch_cache us" passes prefetch_cache=True, 
 does (the call before, another cache's, writes no row of this one): each call starts reading its
 cache while the call ahead drains. GB/s, % of bw and the ratio to SDPA are of that column.
 
+"sum us" is the floor a kernel meets at this size in this harness: one torch.sum over the same
+cache bytes (K and V of a copy share one buffer, read as fp32, the way read_bandwidth_gbs measures
+the ceiling), timed the same way. "% of sum" is that time over decodex's prefetch_cache time: how
+close the op comes to a plain read of its bytes, launch and ramp-up included.
+
     python -m bench.decode_attention
 """
 from __future__ import annotations
@@ -28,7 +33,8 @@ GROUP = 6  # query heads per KV head
 BATCHED = [(8, 1024, 2), (64, 1024, 2)]  # (batch, context, KV heads)
 
 TITLE = "decode_attention (D 128, H = 6 Hkv, L2-cold)"
-HEADERS = ["shape", "decodex us", "prefetch_cache us", "SDPA us", "cache MB", "GB/s", "% of bw", "vs SDPA"]
+HEADERS = ["shape", "decodex us", "prefetch_cache us", "SDPA us", "sum us", "cache MB", "GB/s", "% of bw",
+           "% of sum", "vs SDPA"]
 
 
 def _row(ctx: int, kv_heads: int, bw_gbs: float, batch: int = 1) -> list:
@@ -37,8 +43,9 @@ def _row(ctx: int, kv_heads: int, bw_gbs: float, batch: int = 1) -> list:
     n = copies_for(cache_bytes)
     dev, bf16 = "cuda", torch.bfloat16
     qs = [torch.randn(B, H, D, device=dev, dtype=bf16) for _ in range(n)]
-    ks = [torch.randn(B, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
-    vs = [torch.randn(B, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    kvs = [torch.randn(2, B, kv_heads, ctx, D, device=dev, dtype=bf16) for _ in range(n)]
+    ks, vs = [kv[0] for kv in kvs], [kv[1] for kv in kvs]
+    total = torch.empty((), device=dev, dtype=torch.float32)
     lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     splits = torch.ops.decodex.decode_attention_splits(B, kv_heads, ctx, sms)
@@ -64,12 +71,13 @@ def _row(ctx: int, kv_heads: int, bw_gbs: float, batch: int = 1) -> list:
     plain = time_graph([ours(i) for i in range(n)])
     us = time_graph([ours(i, prefetch=True) for i in range(n)])
     sdpa_us = time_graph([sdpa(i) for i in range(n)])
+    sum_us = time_graph([lambda kv=kv: torch.sum(kv.view(-1).view(torch.float32), dim=0, out=total) for kv in kvs])
     gbs = cache_bytes / us / 1e3
-    del qs, ks, vs
+    del qs, ks, vs, kvs
     torch.cuda.empty_cache()
     shape = f"ctx {ctx} Hkv {kv_heads} H {H}"
-    return [shape if B == 1 else f"B {B} {shape}", plain, us, sdpa_us, cache_bytes / 1e6, gbs,
-            100.0 * gbs / bw_gbs, f"{sdpa_us / us:.2f}x"]
+    return [shape if B == 1 else f"B {B} {shape}", plain, us, sdpa_us, sum_us, cache_bytes / 1e6, gbs,
+            100.0 * gbs / bw_gbs, 100.0 * sum_us / us, f"{sdpa_us / us:.2f}x"]
 
 
 def rows(bw_gbs: float | None = None) -> list[list]:

@@ -25,6 +25,7 @@ import torch
 
 from decodex import engine, reference
 from decodex.engine import HostLoop, graph_sizes
+from helpers import check_logits, gpu_decode, same_until_near_tie
 
 # ---------------------------------------------------------------------------------------------
 # CPU: graph sizes, seeds
@@ -352,9 +353,6 @@ MODELS = {
     "llama-d64": dict(model_type="llama", tied=False, head_dim=64, rope_scaling=LLAMA3_SCALING,
                       attention_bias=True),
 }
-FLOOR = 0.02  # tolerance floor, as a fraction of the fp32 logits' RMS (a few bf16 ulps of a logit)
-
-
 class Models:
     """The same random weights (bf16-rounded) as a GPU bf16 model, a CPU fp32 reference model and a
     CPU bf16 model (reference ops rounding where the kernels round: PyTorch's own bf16 error)."""
@@ -382,30 +380,6 @@ def models(name) -> Models:
     return _MODELS_CACHE[name]
 
 
-def gpu_decode(runner, prompts, steps, params=None, greedy=True, rows=None):
-    """Prefill prompts into rows 0..B-1 and replay `steps` graph steps of the smallest graph that
-    holds them. Returns per step k (k = 0: the prefill) the bf16 logits [B, V] as fp32, the tokens
-    [B] drawn from them, and the positions [B] the drawn tokens will be consumed at."""
-    B = len(prompts)
-    n = runner.graph_size(B)
-    runner.reset()
-    for r, p in enumerate(prompts):
-        runner.prefill_row(r, p, params[r] if params else None)
-    logits, tokens, positions = [], [], []
-
-    def record():
-        torch.cuda.synchronize()
-        logits.append(runner.logits[:B].float().cpu())
-        tokens.append(runner.tokens[:B].cpu())
-        positions.append(runner.positions[:B].cpu())
-
-    record()
-    for _ in range(steps):
-        runner.step(n, greedy)
-        record()
-    return logits, tokens, positions
-
-
 def ref_decode(model, prompts, tokens, positions, steps, capacity):
     """The same sequences on a CPU model, fed the GPU's tokens: logits [B, V] fp32 per step."""
     B = len(prompts)
@@ -416,40 +390,6 @@ def ref_decode(model, prompts, tokens, positions, steps, capacity):
         for k in range(steps):
             out.append(model.decode(tokens[k], positions[k], cache).float())
     return out
-
-
-def check_logits(label, gpu, ref32, ref16, tokens=None):
-    """Per step and row: |gpu - fp32| <= 2 |bf16 CPU - fp32| + FLOOR * rms. Greedy tokens (if given)
-    must be the argmax of the GPU's own logits and may differ from the fp32 argmax only at a
-    near-tie. Returns the per-step tolerances [steps][B] and the first divergence (or None)."""
-    tols, first_div, worst = [], None, 0.0
-    for k, (g, r, h) in enumerate(zip(gpu, ref32, ref16)):
-        row_tols = []
-        for b in range(g.shape[0]):
-            err = (g[b] - r[b]).abs().max().item()
-            err16 = (h[b].float() - r[b]).abs().max().item()
-            rms = r[b].pow(2).mean().sqrt().item()
-            tol = 2 * err16 + FLOOR * rms
-            row_tols.append(tol)
-            worst = max(worst, err / tol)
-            assert err <= tol, (f"{label}: step {k} row {b}: max |logit error| {err:.4f} > tolerance "
-                                f"{tol:.4f} (bf16 CPU error {err16:.4f}, logit rms {rms:.3f})")
-            if tokens is not None:
-                t = int(tokens[k][b])
-                assert t == int(g[b].argmax()), (f"{label}: step {k} row {b}: token {t} is not the argmax "
-                                                 f"{int(g[b].argmax())} of the graph's own logits")
-                best = int(r[b].argmax())
-                if t != best:
-                    gap = (r[b][best] - r[b][t]).item()
-                    if first_div is None:
-                        first_div = (k, b, gap)
-                        print(f"{label}: greedy token differs from fp32 at step {k} row {b}: {t} vs {best}, "
-                              f"fp32 gap {gap:.4f} (near-tie threshold {2 * tol:.4f})")
-                    assert gap <= 2 * tol, (f"{label}: step {k} row {b}: token {t} differs from the fp32 "
-                                            f"argmax {best} by a gap of {gap:.4f} > {2 * tol:.4f}: not a tie")
-        tols.append(row_tols)
-    print(f"{label}: worst error / tolerance = {worst:.3f}")
-    return tols, first_div
 
 
 def run_and_check(label, m, runner, prompts, steps, greedy=True, params=None):
@@ -784,19 +724,6 @@ def test_finished_sequences_stop():
     assert got[0] == base[0] and got[2] == base[2]
     torch.cuda.synchronize()
     assert (runner.positions < 0).all(), "rows left live after the run"
-
-
-def same_until_near_tie(label, got, alone_tokens, alone_logits):
-    """got == alone tokens, except after a step where the alone run's top-2 logit gap is a near-tie."""
-    for k, t in enumerate(got):
-        if t != alone_tokens[k]:
-            row = alone_logits[k]
-            top2 = row.topk(2).values
-            gap = (top2[0] - top2[1]).item()
-            tie = 2 * FLOOR * row.pow(2).mean().sqrt().item()
-            print(f"{label}: differs from the lone run at step {k}: top-2 gap {gap:.4f} (tie < {tie:.4f})")
-            assert gap <= tie, f"{label}: token {t} != lone run's {alone_tokens[k]} at step {k}, gap {gap:.4f}"
-            return
 
 
 @pytest.mark.gpu

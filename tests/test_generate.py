@@ -141,14 +141,19 @@ def test_batch_equals_individual_runs(model):
     assert G.generate(model, prompts[:2], **kw) == [G.generate(model, p, **kw) for p in prompts[:2]]
 
 
+def _mixed_length_prompts(tokenizer) -> list[list[int]]:
+    """Prompts of 5, 700 and 3000 tokens, prefixes of one list-like text."""
+    filler = " ".join(f"Item {i} of the list is the word {w}." for i, w in
+                      enumerate(["apple", "river", "stone", "cloud", "lamp"] * 120))
+    ids = tokenizer.encode(filler)
+    assert len(ids) >= 3000
+    return [ids[:5], ids[:700], ids[:3000]]
+
+
 def test_batch_of_mixed_lengths_equals_each_alone(model):
     """Prompts of 5, 700 and 3000 tokens decoded together give each one's greedy tokens alone:
     shorter sequences never attend to another's padding (issue: exact batching)."""
-    filler = " ".join(f"Item {i} of the list is the word {w}." for i, w in
-                      enumerate(["apple", "river", "stone", "cloud", "lamp"] * 120))
-    ids = model.tokenizer.encode(filler)
-    assert len(ids) >= 3000
-    prompts = [ids[:5], ids[:700], ids[:3000]]
+    prompts = _mixed_length_prompts(model.tokenizer)
     max_new = 8
     alone = [_tokens(model, p, max_new) for p in prompts]
     runner = G.ReferenceRunner(model, 3, 3000 + max_new)
@@ -242,20 +247,22 @@ def test_reference_runner_stop(model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_gpu_generate(monkeypatch, graph):
-    """bf16 on the GPU, through the CUDA-graph runner or the eager kernels: the answer, streaming,
-    batching and seeds behave as on the CPU."""
+    """bf16 on the GPU, through the CUDA-graph runner or the eager kernels: streaming, batching,
+    seeds and stop strings behave as on the CPU. (What the bf16 model answers is checked against
+    the fp32 reference by test_gpu_logits_match_the_fp32_reference: its answer to CAPITAL is not
+    the fp32 model's, on the GPU and in the CPU's bf16 reference path alike.)"""
     if graph:
         monkeypatch.delenv("DECODEX_NO_GRAPH", raising=False)
     else:
         monkeypatch.setenv("DECODEX_NO_GRAPH", "1")
     model = G.load(smollm_dir(), device="cuda", quiet=True)
     text, stats = G.generate(model, CAPITAL, max_new_tokens=32, return_stats=True)
-    assert "Paris" in text
+    assert text and stats.new_tokens >= 1
     assert stats.runner == ("CudaGraphRunner" if graph else "ReferenceRunner")
     story = G.generate(model, STORY, max_new_tokens=48)
     assert "".join(G.generate(model, STORY, max_new_tokens=48, stream=True)) == story
     batch = G.generate(model, [CAPITAL, STORY], max_new_tokens=48)
-    assert "Paris" in batch[0]
+    assert len(batch) == 2 and all(batch)
     kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
     assert G.generate(model, STORY, **kw) == G.generate(model, STORY, **kw)
     cut = story.split()[5]
@@ -276,6 +283,58 @@ def test_gpu_graph_matches_eager_tokens(monkeypatch):
     # bf16 kernels may break a near-tie differently at some step; require a long common prefix
     common = next((k for k, (a, b) in enumerate(zip(eager, graph)) if a != b), min(len(eager), len(graph)))
     assert common >= 16, (eager, graph)
+
+
+@pytest.mark.gpu
+def test_gpu_logits_match_the_fp32_reference(model):
+    """The real model in bf16 through the CUDA-graph runner, teacher-forced against the CPU fp32
+    reference path (the `model` fixture) on the GPU's own greedy tokens: every step's logits within
+    twice the CPU bf16 reference's error plus a floor, and each token the fp32 argmax or a near-tie.
+    On CAPITAL the first token is such a tie: bf16 answers differently from fp32."""
+    from decodex.engine import CudaGraphRunner
+    from helpers import check_logits, gpu_decode
+
+    gpu = G.load(smollm_dir(), device="cuda", quiet=True)
+    ref16 = G.load(smollm_dir(), device="cpu", dtype=torch.bfloat16, quiet=True)
+    for prompt in (CAPITAL, STORY):
+        ids = _chat_ids(model, prompt)
+        steps = 24
+        logits, tokens, _ = gpu_decode(CudaGraphRunner(gpu, 1, len(ids) + steps + 8), [ids], steps)
+        seq = ids + [int(t[0]) for t in tokens[:-1]]
+
+        def teacher_forced(m):  # the logits after ids and the first k drawn tokens, k = 0..steps
+            with torch.no_grad():
+                out = m.prefill(torch.tensor(seq), m.new_cache(1, len(seq)), 0).float()
+            return [out[len(ids) - 1 + k].unsqueeze(0) for k in range(steps + 1)]
+
+        check_logits(f"SmolLM2 bf16, {prompt!r}", logits, teacher_forced(model), teacher_forced(ref16), tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_of_mixed_lengths_equals_each_alone():
+    """The real model in bf16 through the CUDA-graph runner: prompts of 5, 700 and 3000 tokens decoded
+    together (the graph of 4 rows) give each one's greedy tokens decoded alone (the graph of 1),
+    until the first near-tie of the lone run; run()'s host loop gives the step-by-step tokens."""
+    from decodex.engine import CudaGraphRunner
+    from helpers import gpu_decode, same_until_near_tie
+
+    model = G.load(smollm_dir(), device="cuda", quiet=True)
+    prompts = _mixed_length_prompts(model.tokenizer)
+    steps = 32
+    runner = CudaGraphRunner(model, max_batch=4, capacity=len(prompts[-1]) + steps + 8)
+    _, tokens_b, _ = gpu_decode(runner, prompts, steps)
+    batched = [[int(t[b]) for t in tokens_b] for b in range(len(prompts))]
+    for b, prompt in enumerate(prompts):
+        logits_a, tokens_a, _ = gpu_decode(runner, [prompt], steps)
+        same_until_near_tie(f"prompt of {len(prompt)} tokens", batched[b], [int(t[0]) for t in tokens_a],
+                            [l[0] for l in logits_a])
+    runner.eos_ids = set()
+    got = {}
+    for out in runner.run(prompts, [None] * len(prompts), [steps + 1] * len(prompts)):
+        for i, t in out:
+            got.setdefault(i, []).append(t)
+    assert [got[b] for b in range(len(prompts))] == batched
+    assert runner.stats.graph_steps == {4: steps}
 
 
 # ---- a random tiny model with a byte tokenizer: no download, any machine ---------------------------
