@@ -190,7 +190,7 @@ def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = 
         plan["step ms, rows reading the cache"] = {k: round(ms, 3) for k, ms in runner.plan_refine_ms[n].items()}
     if n in runner.rms_in_gemv:
         times = {"+".join(c): round(ms, 3) for (m, c), ms in runner.rms_times_ms.items() if m == n}
-        plan["rms in gemv"] = f"{'+'.join(runner.rms_in_gemv[n])} (step ms with dead rows: {times})"
+        plan["rms in gemv"] = f"{'+'.join(runner.rms_in_gemv[n])} (step ms, rows reading the cache: {times})"
     del runner
     gc.collect()
     torch.cuda.empty_cache()

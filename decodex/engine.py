@@ -94,9 +94,11 @@ from decodex.model import GEMV_MAX_ROWS  # rows of x of the fused GEMVs and of r
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
-# rows at its first capture; the fastest step is kept. Qwen2.5-1.5B keeps both, Qwen2.5-7B only
-# qkv: its gate|up GEMV with the norm measured slower in the step than an rms_norm kernel before it
-# (bench/RESULTS.md, session 5).
+# rows at its first capture, every row reading the cache (_reading_rows); the fastest step is kept.
+# Qwen2.5-1.5B keeps both. Qwen2.5-7B's gate|up GEMV with the norm measured slower than an rms_norm
+# kernel before it while attention did nothing (dead rows, as this was timed up to session 17),
+# and faster with attention at work since its RMS variant has its own configuration
+# (bench/RESULTS.md, session 18).
 RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 # How a product runs in a graph of more than 8 rows (_plan); the first four compute the product
@@ -812,9 +814,9 @@ class CudaGraphRunner(HostLoop):
 
     def _capture(self, n: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """The graph of a step over n rows. At a size's first capture of at most 8 rows the step is
-        captured once per RMS_CHOICES entry and the one whose replays are fastest is kept (its choice
-        reused for the other greedy flag); over 8 rows, the products' plans are checked against
-        all-cuBLAS the same way (_capture_checking_plans)."""
+        captured once per RMS_CHOICES entry and the one whose replays are fastest with every row
+        reading the cache is kept (its choice reused for the other greedy flag); over 8 rows, the
+        products' plans are checked against all-cuBLAS (_capture_checking_plans)."""
         if n not in self.sizes:
             raise ValueError(f"graph size {n} is not one of {self.sizes}")
         self.num_captures += 1  # graphs kept (the trial captures of a choice count as one)
@@ -826,7 +828,7 @@ class CudaGraphRunner(HostLoop):
         for choice in RMS_CHOICES:
             self.rms_in_gemv[n] = choice
             graph = self._capture_as_chosen(n, greedy)
-            ms = self._replay_ms(graph)
+            ms = self._replay_ms(graph, reading=True)
             self.rms_times_ms[(n, choice)] = ms
             if best is None or ms < best[0]:
                 best = (ms, choice, graph)
