@@ -10,10 +10,11 @@ bandwidth measured in this run. "prefetch_cache us" passes prefetch_cache=True, 
 does (the call before, another cache's, writes no row of this one): each call starts reading its
 cache while the call ahead drains. GB/s, % of bw and the ratio to SDPA are of that column.
 
-"sum us" is the floor a kernel meets at this size in this harness: one torch.sum over the same
-cache bytes (K and V of a copy share one buffer, read as fp32, the way read_bandwidth_gbs measures
-the ceiling), timed the same way. "% of sum" is that time over decodex's prefetch_cache time: how
-close the op comes to a plain read of its bytes, launch and ramp-up included.
+"sum us" is one torch.sum over the same cache bytes (K and V of a copy share one buffer, read as
+fp32, as read_bandwidth_gbs reads its 4 GiB), timed the same way: what a generic read-only reduction
+of those bytes costs in this harness, launch and ramp-up included. It is a reference point, not a
+ceiling (at 32K with 2 KV heads the op is faster; bench/sync_probe.cu's streaming read of 32 MiB is
+faster still). "% of sum" is sum us over the prefetch_cache time.
 
     python -m bench.decode_attention
 """

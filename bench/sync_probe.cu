@@ -57,33 +57,25 @@ __device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-template <int MODE>
-__global__ void __launch_bounds__(kThreads) link_kernel(const float* x_in, float* x_out, int n,
-                                                        const uint4* w, int64_t w_per_block,
-                                                        unsigned* flags, int link,
-                                                        unsigned wait_count) {
-  if (MODE == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const uint4* wb = w + blockIdx.x * w_per_block;
-  uint4 pre[kPre];
+// The first kPre loads of the block's share of the stream (issued before a link waits).
+__device__ __forceinline__ void prefetch_first(uint4 (&pre)[kPre], const uint4* wb, int64_t w_per_block) {
 #pragma unroll
   for (int j = 0; j < kPre; ++j) {
     const int64_t i = threadIdx.x + j * kThreads;
     pre[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
   }
-  if (MODE == 1 || (MODE >= 2 && link == 0)) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (MODE >= 2 && link > 0) {
-    if (threadIdx.x == 0) {
-      while (ld_acquire(&flags[link - 1]) < wait_count) {
-      }
-    }
-    __syncthreads();
-  }
-  if (MODE == 1 || MODE == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
-  // x: the whole vector, as a GEMV's block reads its input.
+// A link's work after its wait: read all of x (as a GEMV's block reads its input), stream the rest
+// of the block's share (kPre loads in flight), write x_out = x_in + 1 (each element from one
+// thread; xs and acc only keep the reads alive). kCg: x through L2 only (ld.global.cg), for a
+// buffer that this kernel wrote earlier (the persistent kernel), where L1 could be stale.
+template <bool kCg>
+__device__ __forceinline__ void link_body(const float* x_in, float* x_out, int n, const uint4* wb,
+                                          int64_t w_per_block, const uint4 (&pre)[kPre]) {
+  auto ld_x = [&](int i) { return kCg ? __ldcg(x_in + i) : x_in[i]; };
   float xs = 0.f;
-  for (int i = threadIdx.x; i < n; i += kThreads) xs += x_in[i];
-  // The rest of the block's stream, 8 loads in flight.
+  for (int i = threadIdx.x; i < n; i += kThreads) xs += ld_x(i);
   uint32_t acc = 0;
 #pragma unroll
   for (int j = 0; j < kPre; ++j) acc ^= pre[j].x ^ pre[j].w;
@@ -97,11 +89,31 @@ __global__ void __launch_bounds__(kThreads) link_kernel(const float* x_in, float
 #pragma unroll
     for (int j = 0; j < kPre; ++j) acc ^= v[j].x ^ v[j].w;
   }
-  // Each element of x_out from exactly one thread: x_in + 1 (xs and acc only keep the reads alive).
   const bool never = xs == -1.2345e30f && acc == 0x9E3779B9u;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads) {
-    x_out[i] = never ? 0.f : x_in[i] + 1.f;
+    x_out[i] = never ? 0.f : ld_x(i) + 1.f;
   }
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(kThreads) link_kernel(const float* x_in, float* x_out, int n,
+                                                        const uint4* w, int64_t w_per_block,
+                                                        unsigned* flags, int link,
+                                                        unsigned wait_count) {
+  if (MODE == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const uint4* wb = w + blockIdx.x * w_per_block;
+  uint4 pre[kPre];
+  prefetch_first(pre, wb, w_per_block);
+  if (MODE == 1 || (MODE >= 2 && link == 0)) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (MODE >= 2 && link > 0) {
+    if (threadIdx.x == 0) {
+      while (ld_acquire(&flags[link - 1]) < wait_count) {
+      }
+    }
+    __syncthreads();
+  }
+  if (MODE == 1 || MODE == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  link_body<false>(x_in, x_out, n, wb, w_per_block, pre);
   if (MODE >= 2) {
     __threadfence();
     __syncthreads();
@@ -115,15 +127,9 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* x0, float* 
                                                               int64_t w_per_block, unsigned* counter,
                                                               int links) {
   for (int link = 0; link < links; ++link) {
-    const float* x_in = link % 2 ? x1 : x0;
-    float* x_out = link % 2 ? x0 : x1;
     const uint4* wb = w + (link * per_link) % (w_words - per_link - 1) + blockIdx.x * w_per_block;
     uint4 pre[kPre];
-#pragma unroll
-    for (int j = 0; j < kPre; ++j) {
-      const int64_t i = threadIdx.x + j * kThreads;
-      pre[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
-    }
+    prefetch_first(pre, wb, w_per_block);
     if (link > 0) {
       if (threadIdx.x == 0) {
         const unsigned target = static_cast<unsigned>(link) * gridDim.x;
@@ -132,25 +138,7 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* x0, float* 
       }
       __syncthreads();
     }
-    float xs = 0.f;
-    for (int i = threadIdx.x; i < n; i += kThreads) xs += __ldcg(x_in + i);
-    uint32_t acc = 0;
-#pragma unroll
-    for (int j = 0; j < kPre; ++j) acc ^= pre[j].x ^ pre[j].w;
-    for (int64_t i0 = threadIdx.x + kPre * kThreads; i0 < w_per_block; i0 += kPre * kThreads) {
-      uint4 v[kPre];
-#pragma unroll
-      for (int j = 0; j < kPre; ++j) {
-        const int64_t i = i0 + j * kThreads;
-        v[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < kPre; ++j) acc ^= v[j].x ^ v[j].w;
-    }
-    const bool never = xs == -1.2345e30f && acc == 0x9E3779B9u;
-    for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads) {
-      x_out[i] = never ? 0.f : __ldcg(x_in + i) + 1.f;
-    }
+    link_body<true>(link % 2 ? x1 : x0, link % 2 ? x0 : x1, n, wb, w_per_block, pre);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) red_release(counter, 1u);

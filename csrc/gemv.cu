@@ -550,8 +550,9 @@ constexpr TunedShape kTuned[] = {
 // The RMS-scale variant's own choice where it differs, at M <= 4: the extra x mmas change which
 // split of K keeps the most loads in flight. The 7B gate|up is from the step (scratch sweep, every
 // c = 1 configuration with the RMS scale forced into gate|up): 3.703 ms a step at 7B batch 1, 1K,
-// against 3.837 with the plain entry's {1, 8, 1, 8} and 3.733 with the norm in an rms_norm kernel
-// (bench/RESULTS.md, session 18).
+// against 3.837 with the plain entry's {1, 8, 1, 8} and 3.733 with the norm in an rms_norm kernel,
+// in one run with live rows (the engine's choice at capture, with rows that append nothing, still
+// keeps the kernel there; bench/RESULTS.md, session 18).
 struct TunedRmsShape {
   int64_t N, K;
   GemvConfig m1;

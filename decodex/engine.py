@@ -95,10 +95,8 @@ from decodex.model import GEMV_MAX_ROWS  # rows of x of the fused GEMVs and of r
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
 # rows at its first capture, every row reading the cache (_reading_rows); the fastest step is kept.
-# Qwen2.5-1.5B keeps both. Qwen2.5-7B's gate|up GEMV with the norm measured slower than an rms_norm
-# kernel before it while attention did nothing (dead rows, as this was timed up to session 17),
-# and faster with attention at work since its RMS variant has its own configuration
-# (bench/RESULTS.md, session 18).
+# Qwen2.5-1.5B keeps both, Qwen2.5-7B only qkv: its gate|up GEMV with the norm measures slower than
+# an rms_norm kernel before it (bench/RESULTS.md, sessions 5 and 18).
 RMS_CHOICES = (("qkv", "gate_up"), ("qkv",))
 DEFAULT_DEPTH = 3  # decode steps / prefills in flight before the host waits for the oldest
 # How a product runs in a graph of more than 8 rows (_plan); the first four compute the product

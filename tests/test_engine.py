@@ -353,6 +353,8 @@ MODELS = {
     "llama-d64": dict(model_type="llama", tied=False, head_dim=64, rope_scaling=LLAMA3_SCALING,
                       attention_bias=True),
 }
+
+
 class Models:
     """The same random weights (bf16-rounded) as a GPU bf16 model, a CPU fp32 reference model and a
     CPU bf16 model (reference ops rounding where the kernels round: PyTorch's own bf16 error)."""
