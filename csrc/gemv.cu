@@ -638,8 +638,7 @@ bool config_from_env(const char* var, const char* fields, int64_t N, int64_t K, 
   return found;
 }
 
-void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                         const at::Tensor& out, int64_t max_m) {
+void check_linear_tensors(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   DX_CHECK_CUDA(x);
   DX_CHECK_CUDA(weight);
   DX_CHECK_CUDA(out);
@@ -651,6 +650,11 @@ void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& 
   DX_CHECK_DIM(x, 2);
   DX_CHECK_DIM(weight, 2);
   DX_CHECK_DIM(out, 2);
+}
+
+void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                         const at::Tensor& out, int64_t max_m) {
+  check_linear_tensors(x, weight, out);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   DX_CHECK(M >= 1 && M <= max_m, "decodex::", op, " handles M = 1..", max_m,
            " rows of x, got x of shape ", x.sizes(), " (M = ", M,

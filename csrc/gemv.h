@@ -40,6 +40,8 @@ struct GemvOptions {
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
 constexpr int kMaxRowsWide = 64;
 
+// x, weight and out of a linear op (gemv's and lt_linear's): CUDA, on one device, bf16, 2-D.
+void check_linear_tensors(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out);
 // x [M, K] (1 <= M <= max_m), weight [rows, K] and out: the checks every GEMV op shares (`op`
 // names the op).
 void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& weight,
@@ -47,7 +49,7 @@ void check_gemv_x_weight(const char* op, const at::Tensor& x, const at::Tensor& 
 // out [M, n_out] with a dense last dim and non-overlapping rows.
 void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 // bias: none, or [N] bf16 contiguous on x's device (x_name: what the messages call x; rope_append
-// checks its bias against q); returns its pointer (nullptr for none).
+// checks its bias against q); returns its pointer (nullptr for none). lt_linear checks its bias so too.
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N, const char* x_name = "x");
 // The options from the schema arguments: rms_eps none or finite and >= 0, and x must not overlap

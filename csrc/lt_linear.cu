@@ -25,6 +25,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "gemv.h"
 #include "ops.h"
 
 namespace decodex {
@@ -178,20 +179,10 @@ std::vector<Algo> find_candidates(const Problem& p, cublasLtHandle_t h) {
 // The problem of these arguments, checked.
 Problem problem_of(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt,
                    const at::Tensor& out, const at::Tensor& workspace, bool accumulate) {
-  DX_CHECK_CUDA(x);
-  DX_CHECK_CUDA(weight);
-  DX_CHECK_CUDA(out);
+  check_linear_tensors(x, weight, out);
   DX_CHECK_CUDA(workspace);
-  DX_CHECK_SAME_DEVICE(x, weight);
-  DX_CHECK_SAME_DEVICE(x, out);
   DX_CHECK_SAME_DEVICE(x, workspace);
-  DX_CHECK_DTYPE(x, at::kBFloat16);
-  DX_CHECK_DTYPE(weight, at::kBFloat16);
-  DX_CHECK_DTYPE(out, at::kBFloat16);
   DX_CHECK_DTYPE(workspace, at::kByte);
-  DX_CHECK_DIM(x, 2);
-  DX_CHECK_DIM(weight, 2);
-  DX_CHECK_DIM(out, 2);
   DX_CHECK_DIM(workspace, 1);
   DX_CHECK_CONTIGUOUS(workspace);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
@@ -219,15 +210,7 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& weight, const std::opt
   p.align_x = alignment(x.data_ptr());
   p.align_w = alignment(weight.data_ptr());
   p.align_o = alignment(out.data_ptr());
-  if (bias_opt) {
-    const at::Tensor& bias = *bias_opt;
-    DX_CHECK_CUDA(bias);
-    DX_CHECK_SAME_DEVICE(x, bias);
-    DX_CHECK_DTYPE(bias, at::kBFloat16);
-    DX_CHECK_SHAPE(bias, N);
-    DX_CHECK(bias.stride(0) == 1 || N == 1, "bias must be contiguous, got strides ", bias.strides());
-    p.bias = true;
-  }
+  p.bias = check_gemv_bias(bias_opt, x, N) != nullptr;
   p.workspace = workspace.numel();
   return p;
 }
