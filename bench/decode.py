@@ -18,10 +18,12 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode                  # both models, all cases, HF included (~6 min)
   python -m bench.decode --quick          # 1.5B, 3 cases, no HF
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
-  python -m bench.decode --profile        # per-kernel breakdown of 1.5B steps (b1 1K/32K, b64 1K)
+  python -m bench.decode --no-hf --models 1.5b --profile   # per-kernel breakdown (b1 1K/32K, b64 1K)
   python -m bench.decode --no-hf --cases 16x1024,32x1024 --plans cublas,gemv8   # without the wide gemv
   python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
+  python -m bench.decode --sweep-gemv --models 7b --cases 1x1024 --sweep-shapes 37888x3584 \
+      --rms-in-gemv qkv+gate_up          # the RMS variant's configuration (csrc/gemv.cu kTunedRms)
   python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
   python -m bench.decode --no-hf --models 1.5b --cases 64x1024 --force-plans gate_up=gemv --profile
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
@@ -56,7 +58,7 @@ CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024), (1
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
 SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
 LIVE_PLAN_CASES = [(64, 1024)]  # --live-plans
-PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, 1.5B
+PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, each model
 GPU_STEPS = 100  # replays timed for "GPU ms"
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
 HF_STEPS = 10
@@ -363,19 +365,27 @@ def live_step_ms(runner, batch: int, context: int) -> float:
     return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
 
 
-def sweep_gemv(model, batch: int, context: int) -> dict:
+def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
     """The GEMV configurations that make the decode step fastest, chosen inside the step: for each
     weight shape in turn (down, gate|up, qkv, o, lm_head), the step is captured once per kernel
     configuration of that shape (bench.gemv's list, forced through DECODEX_GEMV_CONFIG's per-shape
     form, the shapes before it at their kept choice) and its replays timed; a configuration is kept
     if it beats the step as it was by more than 0.3%. batch <= 4 tunes csrc/gemv.cu's M = 1 entries,
-    5..8 its M = 8 ones. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept."""
+    5..8 its M = 8 ones. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept.
+    shapes: only these weight shapes [(N, K)]; rms: the norm choice forced on every graph size of up
+    to 8 rows (an RMS_CHOICES entry) instead of the engine's, so the RMS variant is what is tuned."""
     from bench.gemv import ENV, _configs
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
     layer = model.layers[0]
-    shapes = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.qkv_w, layer.o_w, model.lm_head)]
+    every = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.qkv_w, layer.o_w, model.lm_head)]
+    missing = [s for s in shapes or () if s not in every]
+    if missing:
+        raise ValueError(f"--sweep-shapes {missing} are not weight shapes of this model ({every})")
+    shapes = [s for s in every if shapes is None or s in shapes]
     runner = make_runner(model, batch, context)
+    if rms is not None:
+        runner.rms_in_gemv.update({n: rms for n in runner.sizes if n <= GEMV_MAX_ROWS})
     kept: dict[tuple[int, int], str] = {}
 
     def step_ms(extra: dict) -> float:
@@ -469,7 +479,7 @@ def rows(args=None) -> list[list]:
                   flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: time to first token failed: {_err(e)}")
-        if args.profile and key == "1.5b":
+        if args.profile:
             for batch, context in PROFILE_CASES:
                 try:
                     profile_step(model, context, batch, forced=args.force_plans)
@@ -547,7 +557,7 @@ def parse_args(argv):
     p.add_argument("--hf-compile-budget-s", type=float, default=200.0,
                    help="seconds for torch.compile cases over all models (default 200)")
     p.add_argument("--profile", action="store_true",
-                   help="per-kernel breakdown of a 1.5B step (batch 1 at 1K and 32K, batch 64 at 1K)")
+                   help="per-kernel breakdown of each model's step (batch 1 at 1K and 32K, batch 64 at 1K)")
     p.add_argument("--sweep-gemv", action="store_true",
                    help="instead of the table: choose each GEMV shape's configuration inside the step "
                         "(per model and case; batch <= 8, no HF)")
@@ -565,6 +575,10 @@ def parse_args(argv):
                    help="above 8 rows, run these products' plans without measuring them and the others "
                         "on cuBLAS, e.g. gate_up=gemv,o=gemv (the table and --profile; for looking at a "
                         "plan inside the step)")
+    p.add_argument("--sweep-shapes", default=None,
+                   help="with --sweep-gemv: only these weight shapes, comma list of NxK (e.g. 37888x3584)")
+    p.add_argument("--rms-in-gemv", default=None,
+                   help="with --sweep-gemv: the norms inside the GEMVs, forced (qkv+gate_up or qkv)")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
     if args.force_plans is not None:
@@ -588,6 +602,22 @@ def parse_args(argv):
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    if (args.sweep_shapes or args.rms_in_gemv) and not args.sweep_gemv:
+        p.error("--sweep-shapes and --rms-in-gemv go with --sweep-gemv")
+    if args.sweep_shapes:
+        try:
+            args.sweep_shapes = [tuple(int(v) for v in x.lower().split("x")) for x in args.sweep_shapes.split(",")]
+        except ValueError:
+            p.error(f"--sweep-shapes: NxK items, got {args.sweep_shapes!r}")
+        if not all(len(t) == 2 for t in args.sweep_shapes):
+            p.error(f"--sweep-shapes: NxK items, got {args.sweep_shapes}")
+    if args.rms_in_gemv:
+        from decodex.engine import RMS_CHOICES
+
+        choice = tuple(args.rms_in_gemv.split("+"))
+        if choice not in RMS_CHOICES:
+            p.error(f"--rms-in-gemv: one of {', '.join('+'.join(c) for c in RMS_CHOICES)}, got {args.rms_in_gemv!r}")
+        args.rms_in_gemv = choice
     default = SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans else CASES
     args.cases = parse_cases(args.cases) if args.cases else list(default)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
@@ -609,7 +639,10 @@ def main(argv=None):
             for batch, context in args.cases:
                 what = "in-step GEMV sweep" if args.sweep_gemv else "products' plans, live rows"
                 print(f"{MODELS[key]['name']} b{batch} ctx{context}: {what}", flush=True)
-                (sweep_gemv if args.sweep_gemv else live_plans)(model, batch, context)
+                if args.sweep_gemv:
+                    sweep_gemv(model, batch, context, args.sweep_shapes, args.rms_in_gemv)
+                else:
+                    live_plans(model, batch, context)
                 gc.collect()
                 torch.cuda.empty_cache()
             del model

@@ -16,6 +16,20 @@ def test_sweep_gemv_cases():
         decode.parse_args(["--sweep-gemv", "--cases", "1x1024,64x1024"])
 
 
+def test_sweep_shapes_and_rms_arguments():
+    args = decode.parse_args(["--sweep-gemv", "--sweep-shapes", "37888x3584,2048X1536", "--rms-in-gemv",
+                              "qkv+gate_up"])
+    assert args.sweep_shapes == [(37888, 3584), (2048, 1536)]
+    assert args.rms_in_gemv == ("qkv", "gate_up")
+    assert decode.parse_args(["--sweep-gemv", "--rms-in-gemv", "qkv"]).rms_in_gemv == ("qkv",)
+    assert decode.parse_args(["--sweep-gemv"]).rms_in_gemv is None
+    for bad in (["--sweep-gemv", "--rms-in-gemv", "gate_up"], ["--sweep-gemv", "--sweep-shapes", "37888"],
+                ["--sweep-gemv", "--sweep-shapes", "ax3"], ["--rms-in-gemv", "qkv"],
+                ["--sweep-shapes", "8x8"]):
+        with pytest.raises(SystemExit):
+            decode.parse_args(bad)
+
+
 def test_plans_argument():
     """--plans: the engine's plans above 8 rows to measure (the A/B without the wide gemv)."""
     assert decode.parse_args([]).plans is None
