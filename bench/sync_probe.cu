@@ -19,12 +19,21 @@
 //           phase change would cost, against mode 1's kernel boundary.
 // Checks that every link saw its predecessor's x (the chain adds 1 per link), then prints us per
 // link and, for streaming links, GB/s of the stream.
+// `sync_probe ceiling` prints instead, for mode 1 only, the link time of the byte counts of the
+// decode step's kernels with 8, 16 or 32 loads a thread in flight: the floor of a chain of
+// dependent streaming kernels at each size (what a GEMV or attention in the step can at best do).
+// Every word of each 16-byte load is used (folded into acc): a load whose middle words are dead is
+// narrowed by the compiler to two 4-byte loads (this probe before session 19 streamed that way).
 // Build here or on the GPU machine, from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o sync_probe bench/sync_probe.cu
-//   ./sync_probe
+//   ./sync_probe            # the modes
+//   ./sync_probe ceiling    # the chain's floor per size
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <cuda_runtime.h>
 
 #define CK(x)                                                                              \
@@ -39,7 +48,7 @@
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kPre = 8;  // 16-byte loads a thread issues before the wait
+constexpr int kPre = 8;  // 16-byte loads a thread issues before the wait (the ceiling table: KP)
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 v;
@@ -57,10 +66,11 @@ __device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The first kPre loads of the block's share of the stream (issued before a link waits).
-__device__ __forceinline__ void prefetch_first(uint4 (&pre)[kPre], const uint4* wb, int64_t w_per_block) {
+// The first KP loads of the block's share of the stream (issued before a link waits).
+template <int KP>
+__device__ __forceinline__ void prefetch_first(uint4 (&pre)[KP], const uint4* wb, int64_t w_per_block) {
 #pragma unroll
-  for (int j = 0; j < kPre; ++j) {
+  for (int j = 0; j < KP; ++j) {
     const int64_t i = threadIdx.x + j * kThreads;
     pre[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
   }
@@ -70,24 +80,24 @@ __device__ __forceinline__ void prefetch_first(uint4 (&pre)[kPre], const uint4* 
 // of the block's share (kPre loads in flight), write x_out = x_in + 1 (each element from one
 // thread; xs and acc only keep the reads alive). kCg: x through L2 only (ld.global.cg), for a
 // buffer that this kernel wrote earlier (the persistent kernel), where L1 could be stale.
-template <bool kCg>
+template <bool kCg, int KP>
 __device__ __forceinline__ void link_body(const float* x_in, float* x_out, int n, const uint4* wb,
-                                          int64_t w_per_block, const uint4 (&pre)[kPre]) {
+                                          int64_t w_per_block, const uint4 (&pre)[KP]) {
   auto ld_x = [&](int i) { return kCg ? __ldcg(x_in + i) : x_in[i]; };
   float xs = 0.f;
   for (int i = threadIdx.x; i < n; i += kThreads) xs += ld_x(i);
   uint32_t acc = 0;
 #pragma unroll
-  for (int j = 0; j < kPre; ++j) acc ^= pre[j].x ^ pre[j].w;
-  for (int64_t i0 = threadIdx.x + kPre * kThreads; i0 < w_per_block; i0 += kPre * kThreads) {
-    uint4 v[kPre];
+  for (int j = 0; j < KP; ++j) acc ^= pre[j].x ^ pre[j].y ^ pre[j].z ^ pre[j].w;
+  for (int64_t i0 = threadIdx.x + KP * kThreads; i0 < w_per_block; i0 += KP * kThreads) {
+    uint4 v[KP];
 #pragma unroll
-    for (int j = 0; j < kPre; ++j) {
+    for (int j = 0; j < KP; ++j) {
       const int64_t i = i0 + j * kThreads;
       v[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int j = 0; j < kPre; ++j) acc ^= v[j].x ^ v[j].w;
+    for (int j = 0; j < KP; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
   }
   const bool never = xs == -1.2345e30f && acc == 0x9E3779B9u;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads) {
@@ -95,15 +105,15 @@ __device__ __forceinline__ void link_body(const float* x_in, float* x_out, int n
   }
 }
 
-template <int MODE>
+template <int MODE, int KP = kPre>
 __global__ void __launch_bounds__(kThreads) link_kernel(const float* x_in, float* x_out, int n,
                                                         const uint4* w, int64_t w_per_block,
                                                         unsigned* flags, int link,
                                                         unsigned wait_count) {
   if (MODE == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const uint4* wb = w + blockIdx.x * w_per_block;
-  uint4 pre[kPre];
-  prefetch_first(pre, wb, w_per_block);
+  uint4 pre[KP];
+  prefetch_first<KP>(pre, wb, w_per_block);
   if (MODE == 1 || (MODE >= 2 && link == 0)) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (MODE >= 2 && link > 0) {
     if (threadIdx.x == 0) {
@@ -113,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) link_kernel(const float* x_in, float
     __syncthreads();
   }
   if (MODE == 1 || MODE == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  link_body<false>(x_in, x_out, n, wb, w_per_block, pre);
+  link_body<false, KP>(x_in, x_out, n, wb, w_per_block, pre);
   if (MODE >= 2) {
     __threadfence();
     __syncthreads();
@@ -129,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* x0, float* 
   for (int link = 0; link < links; ++link) {
     const uint4* wb = w + (link * per_link) % (w_words - per_link - 1) + blockIdx.x * w_per_block;
     uint4 pre[kPre];
-    prefetch_first(pre, wb, w_per_block);
+    prefetch_first<kPre>(pre, wb, w_per_block);
     if (link > 0) {
       if (threadIdx.x == 0) {
         const unsigned target = static_cast<unsigned>(link) * gridDim.x;
@@ -138,14 +148,14 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* x0, float* 
       }
       __syncthreads();
     }
-    link_body<true>(link % 2 ? x1 : x0, link % 2 ? x0 : x1, n, wb, w_per_block, pre);
+    link_body<true, kPre>(link % 2 ? x1 : x0, link % 2 ? x0 : x1, n, wb, w_per_block, pre);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) red_release(counter, 1u);
   }
 }
 
-template <int MODE>
+template <int MODE, int KP = kPre>
 void launch_link(cudaStream_t s, int G, bool pdl, const float* in, float* out, int n, const uint4* w,
                  int64_t wpb, unsigned* flags, int link, unsigned wait_count) {
   cudaLaunchConfig_t cfg = {};
@@ -157,14 +167,15 @@ void launch_link(cudaStream_t s, int G, bool pdl, const float* in, float* out, i
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, link_kernel<MODE>, in, out, n, w, wpb, flags, link, wait_count));
+  CK(cudaLaunchKernelEx(&cfg, link_kernel<MODE, KP>, in, out, n, w, wpb, flags, link, wait_count));
 }
 
 }  // namespace
 
-int main() {
-  const int L = 56, n = 1536, reps = 50;
-  const int64_t wbytes = int64_t(1) << 30;
+int main(int argc, char** argv) {
+  const int L = 56, n = 1536;
+  int reps = 50;                             // graph replays a timing (fewer for the big links)
+  const int64_t wbytes = int64_t(4) << 30;  // links walk this buffer: L2-cold
   uint4* w;
   float *x[2];
   unsigned* flags;
@@ -179,60 +190,110 @@ int main() {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
 
-  std::printf("| G blocks | MiB per link | mode | us per link | GB/s of the stream | chain ok |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- |\n");
-  const int grids[] = {16, 132, 264};
-  const double mibs[] = {0.0, 4.0, 32.0};
-  for (int G : grids) {
-    for (double mib : mibs) {
-      const int64_t per_link = static_cast<int64_t>(mib * 1024 * 1024) / 16;  // uint4s
-      const int64_t wpb = per_link / G;
-      for (int mode = 0; mode < 5; ++mode) {
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        CK(cudaMemsetAsync(flags, 0, L * sizeof(unsigned), s));
-        if (mode == 4) {
-          persistent_kernel<<<G, kThreads, 0, s>>>(x[0], x[1], n, w, per_link, wbytes / 16, wpb, flags, L);
-          CK(cudaGetLastError());
+  // Captures `body(k)` for the L links (or once, for the persistent kernel), checks the chain and
+  // returns the best of 5 timings in us per link (negative: the chain's result was wrong).
+  auto measure = [&](auto&& body, bool persistent) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CK(cudaMemsetAsync(flags, 0, L * sizeof(unsigned), s));
+    for (int k = 0; k < (persistent ? 1 : L); ++k) body(k);
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    // Correctness: x starts at 0 and each link adds 1 (L is even: the result is in x[0]).
+    CK(cudaMemsetAsync(x[0], 0, n * sizeof(float), s));
+    CK(cudaGraphLaunch(exec, s));
+    float host[n];
+    CK(cudaMemcpyAsync(host, x[0], sizeof(host), cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    bool ok = true;
+    for (int i = 0; i < n; ++i) ok = ok && host[i] == static_cast<float>(L);
+    for (int r = 0; r < 5; ++r) CK(cudaGraphLaunch(exec, s));
+    float best = 1e30f;
+    for (int trial = 0; trial < 5; ++trial) {
+      CK(cudaEventRecord(e0, s));
+      for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      best = ms < best ? ms : best;
+    }
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    const double us = best * 1e3 / (reps * L);
+    return ok ? us : -us;
+  };
+  auto link_args = [&](int k, int64_t per_link) {
+    struct A { const uint4* w; const float* in; float* out; };
+    return A{w + (k * per_link) % (wbytes / 16 - per_link - 1), x[k % 2], x[(k + 1) % 2]};
+  };
+  auto row = [&](int G, double mib, const char* what, double us, int64_t per_link) {
+    const double gbs = per_link > 0 ? per_link * 16.0 / (std::fabs(us) * 1e3) : 0.0;
+    std::printf("| %d | %.2f | %s | %.2f | %.0f | %s |\n", G, mib, what, std::fabs(us), gbs,
+                us > 0 ? "yes" : "NO");
+  };
+
+  if (argc < 2 || std::strcmp(argv[1], "ceiling") != 0) {
+    std::printf("| G blocks | MiB per link | mode | us per link | GB/s of the stream | chain ok |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- |\n");
+    const int grids[] = {16, 132, 264};
+    const double mibs[] = {0.0, 4.0, 32.0};
+    const char* names[] = {"0", "1", "2", "3", "4"};
+    for (int G : grids) {
+      for (double mib : mibs) {
+        const int64_t per_link = static_cast<int64_t>(mib * 1024 * 1024) / 16;  // uint4s
+        const int64_t wpb = per_link / G;
+        for (int mode = 0; mode < 5; ++mode) {
+          const double us = measure(
+              [&](int k) {
+                if (mode == 4) {
+                  persistent_kernel<<<G, kThreads, 0, s>>>(x[0], x[1], n, w, per_link, wbytes / 16,
+                                                           wpb, flags, L);
+                  CK(cudaGetLastError());
+                  return;
+                }
+                const auto a = link_args(k, per_link);
+                const bool pdl = mode != 0 && k > 0;
+                if (mode == 0) launch_link<0>(s, G, pdl, a.in, a.out, n, a.w, wpb, flags, k, G);
+                if (mode == 1) launch_link<1>(s, G, pdl, a.in, a.out, n, a.w, wpb, flags, k, G);
+                if (mode == 2) launch_link<2>(s, G, pdl, a.in, a.out, n, a.w, wpb, flags, k, G);
+                if (mode == 3) launch_link<3>(s, G, pdl, a.in, a.out, n, a.w, wpb, flags, k, G);
+              },
+              mode == 4);
+          row(G, mib, names[mode], us, per_link);
         }
-        for (int k = 0; mode < 4 && k < L; ++k) {
-          const uint4* wk = w + (k * per_link) % (wbytes / 16 - per_link - 1);
-          const float* in = x[k % 2];
-          float* out = x[(k + 1) % 2];
-          const bool pdl = mode != 0 && k > 0;
-          if (mode == 0) launch_link<0>(s, G, pdl, in, out, n, wk, wpb, flags, k, G);
-          if (mode == 1) launch_link<1>(s, G, pdl, in, out, n, wk, wpb, flags, k, G);
-          if (mode == 2) launch_link<2>(s, G, pdl, in, out, n, wk, wpb, flags, k, G);
-          if (mode == 3) launch_link<3>(s, G, pdl, in, out, n, wk, wpb, flags, k, G);
-        }
-        CK(cudaStreamEndCapture(s, &graph));
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        // Correctness: x starts at 0 and each link adds 1 (L is even: the result is in x[0]).
-        CK(cudaMemsetAsync(x[0], 0, n * sizeof(float), s));
-        CK(cudaGraphLaunch(exec, s));
-        float host[n];
-        CK(cudaMemcpyAsync(host, x[0], sizeof(host), cudaMemcpyDeviceToHost, s));
-        CK(cudaStreamSynchronize(s));
-        bool ok = true;
-        for (int i = 0; i < n; ++i) ok = ok && host[i] == static_cast<float>(L);
-        for (int r = 0; r < 5; ++r) CK(cudaGraphLaunch(exec, s));
-        float best = 1e30f;
-        for (int trial = 0; trial < 5; ++trial) {
-          CK(cudaEventRecord(e0, s));
-          for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, s));
-          CK(cudaEventRecord(e1, s));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          best = ms < best ? ms : best;
-        }
-        const double us = best * 1e3 / (reps * L);
-        const double gbs = per_link > 0 ? per_link * 16.0 / (us * 1e3) : 0.0;
-        std::printf("| %d | %.0f | %d | %.2f | %.0f | %s |\n", G, mib, mode, us, gbs, ok ? "yes" : "NO");
-        CK(cudaGraphExecDestroy(exec));
-        CK(cudaGraphDestroy(graph));
       }
+    }
+    return 0;
+  }
+
+  // `sync_probe ceiling`: mode 1 (PDL, decodex's chain) streaming the byte counts of the decode
+  // step's kernels (Qwen2.5-1.5B and -7B weights, 1K and 32K caches; issue 3's 16 MB line) with
+  // KP loads a thread in flight, KP of them issued before the wait: how close a chain of dependent
+  // streaming kernels comes to the read bandwidth, launch, wait and ramp included (KP = 8 is the
+  // table above; 32 keeps 128 KB a SM in flight at 2 blocks a SM).
+  std::printf("| G blocks | MB per link | loads a thread (KP) | us per link | GB/s of the stream | chain ok |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- |\n");
+  const double mbs[] = {1.05, 2.10, 4.72, 6.29, 16.0, 25.69, 27.53, 33.03, 33.55, 55.05, 67.11, 135.8,
+                        271.6, 466.8, 1089.9};
+  for (int G : {132, 264}) {
+    for (double mb : mbs) {
+      reps = mb > 100 ? 8 : 50;
+      const int64_t per_link = static_cast<int64_t>(mb * 1e6) / 16;
+      const int64_t wpb = per_link / G;
+      auto chain = [&](auto kp_tag) {
+        constexpr int KP = decltype(kp_tag)::value;
+        return measure(
+            [&](int k) {
+              const auto a = link_args(k, per_link);
+              launch_link<1, KP>(s, G, k > 0, a.in, a.out, n, a.w, wpb, flags, k, G);
+            },
+            false);
+      };
+      row(G, mb, "8", chain(std::integral_constant<int, 8>{}), wpb * G);
+      row(G, mb, "16", chain(std::integral_constant<int, 16>{}), wpb * G);
+      row(G, mb, "32", chain(std::integral_constant<int, 32>{}), wpb * G);
     }
   }
   return 0;
