@@ -205,12 +205,17 @@ inline void allow_dynamic_smem(const void* kernel, int bytes, int device, const 
 // it in the stream has finished and its writes are visible, then griddepcontrol.launch_dependents
 // lets the next kernel's blocks be scheduled. Launched through launch_pdl, a kernel's launch and
 // block scheduling thus overlap the tail of the kernel before it (in a CUDA graph too), which is most
-// of the cost of the many small kernels of a decode step. Nothing but L2 prefetches touches global
-// memory before the wait, so the order of reads and writes is exactly that of plain launches. Without the launch
-// attribute both instructions do nothing. DECODEX_PDL=0 turns the attribute off (read once).
-// A kernel that can do useful work before the wait (GEMV: L2 prefetches of its weights, which are
-// safe at any time because L2 is the GPU's point of coherence) calls pdl_wait() and pdl_trigger()
-// itself, in that order, after that work.
+// of the cost of the many small kernels of a decode step. By default nothing but L2 prefetches
+// touches global memory before the wait, so the order of reads and writes is exactly that of plain
+// launches. Without the launch attribute both instructions do nothing. DECODEX_PDL=0 turns the
+// attribute off (read once).
+// A kernel that can do useful work before the wait calls pdl_wait() and pdl_trigger() itself, in
+// that order, after that work: L2 prefetches of a GEMV's weights (safe at any time: L2 is the GPU's
+// point of coherence), and, only where the caller promises that the kernel ahead writes none of
+// them, loads into registers of the GEMV's weights (prefetch_weight) or of decode attention's
+// older cache rows (prefetch_cache). Every kernel triggers after its wait, so the kernel ahead is
+// the only one that can still be running. (Triggering first, so that a kernel two ahead could
+// still run, was measured slower in the decode step: bench/RESULTS.md, sessions 8 and 19.)
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
