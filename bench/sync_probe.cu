@@ -20,14 +20,16 @@
 // Checks that every link saw its predecessor's x (the chain adds 1 per link), then prints us per
 // link and, for streaming links, GB/s of the stream.
 // `sync_probe ceiling` prints instead, for mode 1 only, the link time of the byte counts of the
-// decode step's kernels with 8, 16 or 32 loads a thread in flight: the floor of a chain of
-// dependent streaming kernels at each size (what a GEMV or attention in the step can at best do).
+// decode step's kernels with 8, 16 or 32 loads a thread in flight: how fast a chain of dependent
+// streaming kernels runs at each size, a reference for the GEMVs and attention of the step (not a
+// hard floor: a link issues only KP loads a thread before its wait, and the step's GEMVs, which
+// load a whole round of weights into registers before theirs, can beat it).
 // Every word of each 16-byte load is used (folded into acc): a load whose middle words are dead is
 // narrowed by the compiler to two 4-byte loads (this probe before session 19 streamed that way).
 // Build here or on the GPU machine, from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o sync_probe bench/sync_probe.cu
 //   ./sync_probe            # the modes
-//   ./sync_probe ceiling    # the chain's floor per size
+//   ./sync_probe ceiling    # a dependent streaming chain, per size
 #include <cstdint>
 #include <cstdio>
 #include <cmath>
@@ -77,7 +79,7 @@ __device__ __forceinline__ void prefetch_first(uint4 (&pre)[KP], const uint4* wb
 }
 
 // A link's work after its wait: read all of x (as a GEMV's block reads its input), stream the rest
-// of the block's share (kPre loads in flight), write x_out = x_in + 1 (each element from one
+// of the block's share (KP loads in flight), write x_out = x_in + 1 (each element from one
 // thread; xs and acc only keep the reads alive). kCg: x through L2 only (ld.global.cg), for a
 // buffer that this kernel wrote earlier (the persistent kernel), where L1 could be stale.
 template <bool kCg, int KP>
@@ -272,7 +274,7 @@ int main(int argc, char** argv) {
   // step's kernels (Qwen2.5-1.5B and -7B weights, 1K and 32K caches; issue 3's 16 MB line) with
   // KP loads a thread in flight, KP of them issued before the wait: how close a chain of dependent
   // streaming kernels comes to the read bandwidth, launch, wait and ramp included (KP = 8 is the
-  // table above; 32 keeps 128 KB a SM in flight at 2 blocks a SM).
+  // modes table's; 32 keeps 128 KB a SM in flight at 2 blocks a SM).
   std::printf("| G blocks | MB per link | loads a thread (KP) | us per link | GB/s of the stream | chain ok |\n");
   std::printf("| --- | --- | --- | --- | --- | --- |\n");
   const double mbs[] = {1.05, 2.10, 4.72, 6.29, 16.0, 25.69, 27.53, 33.03, 33.55, 55.05, 67.11, 135.8,
