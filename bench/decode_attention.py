@@ -13,8 +13,9 @@ cache while the call ahead drains. GB/s, % of bw and the ratio to SDPA are of th
 "sum us" is one torch.sum over the same cache bytes (K and V of a copy share one buffer, read as
 fp32, as read_bandwidth_gbs reads its 4 GiB), timed the same way: what a generic read-only reduction
 of those bytes costs in this harness, launch and ramp-up included. It is a reference point, not a
-ceiling (at 32K with 2 KV heads the op is faster; bench/sync_probe.cu's streaming read of 32 MiB is
-faster still). "% of sum" is sum us over the prefetch_cache time.
+ceiling (at 32K with 2 KV heads the op is faster; a chain of streaming reads of those 33.55 MB,
+`./sync_probe ceiling` from bench/sync_probe.cu, took 9.4 us in session 19). "% of sum" is sum us
+over the prefetch_cache time.
 
     python -m bench.decode_attention
 """
