@@ -25,6 +25,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024 --sweep-shapes 37888x3584 \
       --rms-in-gemv qkv+gate_up          # the RMS variant's configuration (csrc/gemv.cu kTunedRms)
   python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
+  python -m bench.decode --ab DECODEX_ATTN_CLUSTER=0 --models 7b --cases 1x1024   # A/B of a switch
   python -m bench.decode --no-hf --models 1.5b --cases 64x1024 --force-plans gate_up=gemv --profile
 torch.compile takes tens of seconds per shape: compiled cases run in priority order until
 --hf-compile-budget-s is spent; the rest print "skipped (budget)".
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,6 +60,8 @@ CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024), (1
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
 SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
 LIVE_PLAN_CASES = [(64, 1024)]  # --live-plans
+AB_CASES = [(1, 1024), (1, 32768), (8, 1024)]  # --ab: the batch-1 bars' cases and batch 8
+AB_REPS = 3  # --ab: rounds of the interleaved variants
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, each model
 GPU_STEPS = 100  # replays timed for "GPU ms"
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
@@ -439,6 +443,52 @@ def live_plans(model, batch: int, context: int) -> dict:
     return out
 
 
+def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = AB_REPS) -> dict:
+    """The step under environment variants (--ab), against the environment as found ("as is"): one
+    runner, its graph recaptured for every timing, so variables read at capture or at launch
+    (DECODEX_GEMV_CONFIG, DECODEX_ATTN_CLUSTER, ...) take effect, while ones read once per process
+    (DECODEX_PDL) do not. The variants run interleaved, `reps` rounds with "as is" first in each,
+    and the environment is restored after every timing. Prints each timing and the medians; returns
+    {label: [ms, ...]}."""
+    runner = make_runner(model, batch, context)
+    labels = ["as is"] + [" ".join(f"{k}={v}" for k, v in var.items()) for var in variants]
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for rep in range(reps):
+        for label, var in zip(labels, [{}, *variants]):
+            saved = {k: os.environ.get(k) for k in var}
+            os.environ.update(var)
+            try:
+                ms = live_step_ms(runner, batch, context)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            times[label].append(ms)
+            print(f"  round {rep}, {label}: {ms:.4f} ms", flush=True)
+    base = statistics.median(times["as is"])
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {label}: median {med:.4f} ms (min {min(ts):.4f}), {100.0 * (med / base - 1.0):+.2f}% "
+              f"against as is", flush=True)
+    return times
+
+
+def parse_ab(text: str) -> dict:
+    """One --ab variant: NAME=VALUE items separated by spaces (values may hold commas and semicolons,
+    as DECODEX_GEMV_CONFIG's do)."""
+    variant = {}
+    for item in text.split():
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"NAME=VALUE items separated by spaces, got {item!r} in {text!r}")
+        variant[name] = value
+    if not variant:
+        raise ValueError("an empty variant")
+    return variant
+
+
 def parse_cases(text: str) -> list[tuple[int, int]]:
     cases = []
     for part in text.split(","):
@@ -579,8 +629,22 @@ def parse_args(argv):
                    help="with --sweep-gemv: only these weight shapes, comma list of NxK (e.g. 37888x3584)")
     p.add_argument("--rms-in-gemv", default=None,
                    help="with --sweep-gemv: the norms inside the GEMVs, forced (qkv+gate_up or qkv)")
+    p.add_argument("--ab", action="append", default=None, metavar="NAME=VALUE[ NAME=VALUE...]",
+                   help="instead of the table: the step timed with these environment variables set, "
+                        "against the environment as found, interleaved (repeat for more variants; per "
+                        "model and case, default cases " + ",".join(f"{b}x{c}" for b, c in AB_CASES) + ")")
+    p.add_argument("--ab-reps", type=int, default=AB_REPS, help=f"with --ab: rounds (default {AB_REPS})")
     p.add_argument("--out", default=None, help="append the table (markdown) to this file")
     args = p.parse_args(argv)
+    if sum(bool(x) for x in (args.sweep_gemv, args.live_plans, args.ab)) > 1:
+        p.error("--sweep-gemv, --live-plans and --ab are separate runs: give one")
+    if args.ab:
+        try:
+            args.ab = [parse_ab(v) for v in args.ab]
+        except ValueError as e:
+            p.error(f"--ab: {e}")
+        if args.ab_reps < 1:
+            p.error(f"--ab-reps must be >= 1, got {args.ab_reps}")
     if args.force_plans is not None:
         if args.sweep_gemv or args.live_plans:
             p.error("--force-plans goes with the table and --profile, not --sweep-gemv / --live-plans")
@@ -618,7 +682,8 @@ def parse_args(argv):
         if choice not in RMS_CHOICES:
             p.error(f"--rms-in-gemv: one of {', '.join('+'.join(c) for c in RMS_CHOICES)}, got {args.rms_in_gemv!r}")
         args.rms_in_gemv = choice
-    default = SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans else CASES
+    default = (SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans
+               else AB_CASES if args.ab else CASES)
     args.cases = parse_cases(args.cases) if args.cases else list(default)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
         p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")
@@ -633,16 +698,19 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench.decode needs a CUDA GPU")
     t0 = time.perf_counter()
-    if args.sweep_gemv or args.live_plans:
+    if args.sweep_gemv or args.live_plans or args.ab:
         for key in args.models:
             model = build_decodex(key)
             for batch, context in args.cases:
-                what = "in-step GEMV sweep" if args.sweep_gemv else "products' plans, live rows"
+                what = ("in-step GEMV sweep" if args.sweep_gemv else "products' plans, live rows"
+                        if args.live_plans else "environment A/B, GPU ms a step")
                 print(f"{MODELS[key]['name']} b{batch} ctx{context}: {what}", flush=True)
                 if args.sweep_gemv:
                     sweep_gemv(model, batch, context, args.sweep_shapes, args.rms_in_gemv)
-                else:
+                elif args.live_plans:
                     live_plans(model, batch, context)
+                else:
+                    ab_step(model, batch, context, args.ab, args.ab_reps)
                 gc.collect()
                 torch.cuda.empty_cache()
             del model

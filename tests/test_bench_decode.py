@@ -128,3 +128,40 @@ def test_kernel_times_gaps():
     got = decode.kernel_times(reversed(events))  # any order: sorted by end
     assert got == {"a": [1, 10.0, 0, 0.0], "b": [2, 33.0, 2, 28.0], "c": [1, 20.0, 1, 2.0]}
     assert sum(v[3] for v in got.values()) == 40.0 - 10.0  # the gaps add up to the span after the first
+
+
+def test_ab_arguments():
+    """--ab: variants of NAME=VALUE items (values may hold commas and semicolons); its own run."""
+    args = decode.parse_args(["--ab", "DECODEX_ATTN_CLUSTER=0", "--ab",
+                              "DECODEX_GEMV_CONFIG=37888,3584:1,2,1,8;512,3584:1,7,2,8 DECODEX_ATTN_CLUSTER=1"])
+    assert args.ab == [{"DECODEX_ATTN_CLUSTER": "0"},
+                       {"DECODEX_GEMV_CONFIG": "37888,3584:1,2,1,8;512,3584:1,7,2,8", "DECODEX_ATTN_CLUSTER": "1"}]
+    assert args.cases == decode.AB_CASES and args.ab_reps == decode.AB_REPS
+    assert decode.parse_args(["--ab", "X=", "--cases", "1x2k", "--ab-reps", "5"]).cases == [(1, 2048)]
+    assert decode.parse_args([]).ab is None
+    for bad in (["--ab", "DECODEX_PDL"], ["--ab", "=1"], ["--ab", "1X=2"], ["--ab", " "],
+                ["--ab", "X=1", "--sweep-gemv"], ["--ab", "X=1", "--live-plans"], ["--ab", "X=1", "--ab-reps", "0"]):
+        with pytest.raises(SystemExit):
+            decode.parse_args(bad)
+
+
+def test_ab_step_interleaves_and_restores(monkeypatch, capsys):
+    """On a stand-in runner (no GPU): each round times "as is" then every variant, each timing sees
+    exactly its variant's variables over the environment as found, and the environment is restored."""
+    import os
+
+    seen = []
+
+    def fake_live_step_ms(runner, batch, context):
+        seen.append((os.environ.get("DX_AB_A"), os.environ.get("DX_AB_B")))
+        return 2.0 if os.environ.get("DX_AB_A") == "1" else 1.0
+
+    monkeypatch.setattr(decode, "make_runner", lambda m, b, c: object())
+    monkeypatch.setattr(decode, "live_step_ms", fake_live_step_ms)
+    monkeypatch.delenv("DX_AB_A", raising=False)
+    monkeypatch.setenv("DX_AB_B", "kept")
+    got = decode.ab_step(None, 1, 1024, [{"DX_AB_A": "1"}, {"DX_AB_B": "x"}], reps=2)
+    assert seen == [(None, "kept"), ("1", "kept"), (None, "x")] * 2
+    assert got == {"as is": [1.0, 1.0], "DX_AB_A=1": [2.0, 2.0], "DX_AB_B=x": [1.0, 1.0]}
+    assert "DX_AB_A" not in os.environ and os.environ["DX_AB_B"] == "kept"
+    assert "DX_AB_A=1: median 2.0000 ms (min 2.0000), +100.00% against as is" in capsys.readouterr().out
