@@ -643,6 +643,8 @@ def parse_args(argv):
             args.ab = [parse_ab(v) for v in args.ab]
         except ValueError as e:
             p.error(f"--ab: {e}")
+        if len({tuple(v.items()) for v in args.ab}) < len(args.ab):
+            p.error("--ab: the same variant twice")
         if args.ab_reps < 1:
             p.error(f"--ab-reps must be >= 1, got {args.ab_reps}")
     if args.force_plans is not None:

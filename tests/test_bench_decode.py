@@ -140,7 +140,8 @@ def test_ab_arguments():
     assert decode.parse_args(["--ab", "X=", "--cases", "1x2k", "--ab-reps", "5"]).cases == [(1, 2048)]
     assert decode.parse_args([]).ab is None
     for bad in (["--ab", "DECODEX_PDL"], ["--ab", "=1"], ["--ab", "1X=2"], ["--ab", " "],
-                ["--ab", "X=1", "--sweep-gemv"], ["--ab", "X=1", "--live-plans"], ["--ab", "X=1", "--ab-reps", "0"]):
+                ["--ab", "X=1", "--sweep-gemv"], ["--ab", "X=1", "--live-plans"], ["--ab", "X=1", "--ab-reps", "0"],
+                ["--ab", "X=1", "--ab", "X=1"]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
 
