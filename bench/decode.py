@@ -443,14 +443,16 @@ def live_plans(model, batch: int, context: int) -> dict:
     return out
 
 
-def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = AB_REPS) -> dict:
+def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = AB_REPS, plans=None,
+            fuse_rope: bool = True, forced=None) -> dict:
     """The step under environment variants (--ab), against the environment as found ("as is"): one
     runner, its graph recaptured for every timing, so variables read at capture or at launch
     (DECODEX_GEMV_CONFIG, DECODEX_ATTN_CLUSTER, ...) take effect, while ones read once per process
     (DECODEX_PDL) do not. The variants run interleaved, `reps` rounds with "as is" first in each,
-    and the environment is restored after every timing. Prints each timing and the medians; returns
+    and the environment is restored after every timing. plans, fuse_rope, forced: make_runner's (the
+    table's --plans, --no-fused-rope, --force-plans). Prints each timing and the medians; returns
     {label: [ms, ...]}."""
-    runner = make_runner(model, batch, context)
+    runner = make_runner(model, batch, context, plans, fuse_rope, forced)
     labels = ["as is"] + [" ".join(f"{k}={v}" for k, v in var.items()) for var in variants]
     times: dict[str, list[float]] = {label: [] for label in labels}
     for rep in range(reps):
@@ -623,7 +625,7 @@ def parse_args(argv):
                         "rope_append_attention (the engine's fuse_rope_attention=False)")
     p.add_argument("--force-plans", default=None,
                    help="above 8 rows, run these products' plans without measuring them and the others "
-                        "on cuBLAS, e.g. gate_up=gemv,o=gemv (the table and --profile; for looking at a "
+                        "on cuBLAS, e.g. gate_up=gemv,o=gemv (the table, --profile and --ab; for looking at a "
                         "plan inside the step)")
     p.add_argument("--sweep-shapes", default=None,
                    help="with --sweep-gemv: only these weight shapes, comma list of NxK (e.g. 37888x3584)")
@@ -647,6 +649,8 @@ def parse_args(argv):
             p.error("--ab: the same variant twice")
         if args.ab_reps < 1:
             p.error(f"--ab-reps must be >= 1, got {args.ab_reps}")
+        if args.profile:
+            p.error("--profile goes with the table, not --ab")
     if args.force_plans is not None:
         if args.sweep_gemv or args.live_plans:
             p.error("--force-plans goes with the table and --profile, not --sweep-gemv / --live-plans")
@@ -712,7 +716,8 @@ def main(argv=None):
                 elif args.live_plans:
                     live_plans(model, batch, context)
                 else:
-                    ab_step(model, batch, context, args.ab, args.ab_reps)
+                    ab_step(model, batch, context, args.ab, args.ab_reps, args.plans, args.fuse_rope,
+                            args.force_plans)
                 gc.collect()
                 torch.cuda.empty_cache()
             del model

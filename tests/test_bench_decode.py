@@ -141,7 +141,7 @@ def test_ab_arguments():
     assert decode.parse_args([]).ab is None
     for bad in (["--ab", "DECODEX_PDL"], ["--ab", "=1"], ["--ab", "1X=2"], ["--ab", " "],
                 ["--ab", "X=1", "--sweep-gemv"], ["--ab", "X=1", "--live-plans"], ["--ab", "X=1", "--ab-reps", "0"],
-                ["--ab", "X=1", "--ab", "X=1"]):
+                ["--ab", "X=1", "--ab", "X=1"], ["--ab", "X=1", "--profile"]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
 
@@ -157,11 +157,13 @@ def test_ab_step_interleaves_and_restores(monkeypatch, capsys):
         seen.append((os.environ.get("DX_AB_A"), os.environ.get("DX_AB_B")))
         return 2.0 if os.environ.get("DX_AB_A") == "1" else 1.0
 
-    monkeypatch.setattr(decode, "make_runner", lambda m, b, c: object())
+    made = []
+    monkeypatch.setattr(decode, "make_runner", lambda *a: made.append(a[1:]) or object())
     monkeypatch.setattr(decode, "live_step_ms", fake_live_step_ms)
     monkeypatch.delenv("DX_AB_A", raising=False)
     monkeypatch.setenv("DX_AB_B", "kept")
-    got = decode.ab_step(None, 1, 1024, [{"DX_AB_A": "1"}, {"DX_AB_B": "x"}], reps=2)
+    got = decode.ab_step(None, 1, 1024, [{"DX_AB_A": "1"}, {"DX_AB_B": "x"}], reps=2, plans=("cublas",))
+    assert made == [(1, 1024, ("cublas",), True, None)]  # one runner, with the table's options
     assert seen == [(None, "kept"), ("1", "kept"), (None, "x")] * 2
     assert got == {"as is": [1.0, 1.0], "DX_AB_A=1": [2.0, 2.0], "DX_AB_B=x": [1.0, 1.0]}
     assert "DX_AB_A" not in os.environ and os.environ["DX_AB_B"] == "kept"
