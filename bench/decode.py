@@ -60,7 +60,7 @@ CASES = [(1, 1024), (1, 32768), (8, 1024), (64, 1024), (1, 8192), (32, 1024), (1
 QUICK_CASES = [(1, 1024), (1, 32768), (8, 1024)]
 SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entries of the table
 LIVE_PLAN_CASES = [(64, 1024)]  # --live-plans
-AB_CASES = [(1, 1024), (1, 32768), (8, 1024)]  # --ab: the batch-1 bars' cases and batch 8
+AB_CASES = QUICK_CASES  # --ab: the batch-1 bars' cases and batch 8
 AB_REPS = 3  # --ab: rounds of the interleaved variants
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, each model
 GPU_STEPS = 100  # replays timed for "GPU ms"
