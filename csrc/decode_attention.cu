@@ -19,19 +19,20 @@
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, with the next tiles'
 // K and V in flight while it computes one. Two ways, one per kernel instance:
 //   - decode_attention (the register path): the next tile's loads go straight into a second
-//     register buffer (212 registers a thread; one tile in flight while the other is used);
+//     register buffer (214 registers a thread; one tile in flight while the other is used);
 //   - rope_append_attention (the ring path): the tiles come through a ring of kStages slots in
 //     shared memory (cp.async), so kStages tiles are in flight and only the one being computed
 //     sits in registers (204 registers, 96 KB of shared memory a block). Beside the cuBLAS products
 //     of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention beside
 //     the GEMVs of the small batches it was slower, so decode_attention keeps the registers
 //     (bench/RESULTS.md, session 16).
-// The warps of a block are merged through shared memory into one partial (o, m, l) per (b, head,
-// split).
+// A block has 4 warps (2 blocks an SM), or 8 for short caches at batch 1 and 2 (split_warps). The
+// warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
-// the splits of a (b, KV head) are one thread-block cluster: the partials stay in shared memory and
-// the cluster merges them through distributed shared memory and writes bf16 (merge_cluster), with
-// no workspace round trip and no second kernel. Otherwise the partials go to the workspace and a
+// the splits of a (b, KV head) are one thread-block cluster: each block pushes its partial's slices
+// to the blocks that own them through distributed shared memory, and after one cluster barrier each
+// merges its slice and writes bf16 (merge_cluster), with no workspace round trip and no second
+// kernel. Otherwise the partials go to the workspace and a
 // second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 16 splits at
 // batch 8 on a 32K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
@@ -73,7 +74,7 @@ namespace decodex {
 
 namespace {
 
-constexpr int kWarps = 4;                  // warps per split block
+constexpr int kWarps = 4;                  // warps per split block (2 kWarps: split_warps)
 constexpr int kTile = 16;                  // tokens per warp per step (the mma M/K extent)
 constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N extent)
 constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
@@ -192,13 +193,16 @@ __device__ __forceinline__ void attend_tile(const KVTile<D>& tile, const uint4 (
                                             int end, int g, float scale_log2, float (&o)[D / 16][4],
                                             float& m0, float& m1, float& l0, float& l1) {
   // S^T = K . Q^T: k-step 2c + s uses words 2s, 2s+1 of the lane's 16-byte chunks.
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  // Two accumulators (even and odd k-steps) halve the chain of dependent mmas.
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const int c = kk >> 1, w = (kk & 1) * 2;
-    mma_bf16_16816(s, word(tile.k[0][c], w), word(tile.k[1][c], w), word(tile.k[0][c], w + 1),
-              word(tile.k[1][c], w + 1), word(qf[c], w), word(qf[c], w + 1));
+    mma_bf16_16816((kk & 1) ? s2 : s, word(tile.k[0][c], w), word(tile.k[1][c], w),
+                   word(tile.k[0][c], w + 1), word(tile.k[1][c], w + 1), word(qf[c], w), word(qf[c], w + 1));
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] += s2[i];
   // s[0], s[1]: token g, heads 2t, 2t+1; s[2], s[3]: token g + 8. Padded tokens -> -inf.
   const bool ok_lo = base + g < end, ok_hi = base + g + 8 < end;
   const float x0 = ok_lo ? s[0] * scale_log2 : -INFINITY;
@@ -256,44 +260,94 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
 }
 
 // The splits of one (b, KV head, head block) merged inside their thread-block cluster (grid.x =
-// splits = the cluster size, at most kClusterSplits; sm_90): each block has put its merged partial
-// (o unnormalised, m in log2 units, l) in shared memory; after a cluster barrier the c * kWarps * 32
-// threads of the cluster share the outputs (head j, dims 2 d2, 2 d2 + 1), each loading the c
-// partials of its output through distributed shared memory at once and summing them in split
-// order, and write bf16: out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty
-// split (m = -inf, o zeros) gets weight 0; all empty (length 0) gives zeros. The second
-// barrier keeps every block's shared memory alive until the other blocks' reads are done. This
-// replaces the workspace round trip and the combine kernel.
+// splits = the cluster size c, at most kClusterSplits; sm_90), with no workspace round trip and no
+// combine kernel. The block's outputs (head j, dims 2 d2, 2 d2 + 1: `items` float2) are cut into c
+// slices of `per`, rank r owning slice r. As the block merges its warps' partials, each output's
+// merged o (unnormalised) goes straight to its owner's inbox through distributed shared memory, and
+// each head's (m in log2 units, l) to every rank (push_partial); after one cluster barrier every
+// block merges its own slice from its own shared memory, in split order, and writes bf16
+// (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty split
+// sends o zeros and m = -inf (weight 0); all empty (length 0) gives zeros. No block reads another's
+// shared memory, and every write into a block comes before the barrier it waits at, so the blocks
+// exit without a second barrier. (Measured in the step, bench/RESULTS.md, session 20: every block
+// pulling all the splits' partials of its outputs after a barrier, then a second barrier, was 0.2 us
+// a layer slower; the block's partial gathered in its own shared memory first and pushed in 16-byte
+// stores after a block barrier, 0.1-0.2 us slower.)
 template <int D>
-__device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlock][D],
-                                              const float (&part_m)[kHeadsPerBlock],
-                                              const float (&part_l)[kHeadsPerBlock],
-                                              __nv_bfloat16* out_rows, int heads, int c) {
+struct ClusterInbox {
+  float2 o[kHeadsPerBlock * D / 2 + kClusterSplits];  // [source rank][owned output]
+  float2 ml[kClusterSplits][kHeadsPerBlock];          // [source rank][head]: (m, l)
+};
+
+struct ClusterSlice {
+  int c, rank, per;  // cluster size, this block's rank, outputs a rank owns
+  __device__ __forceinline__ ClusterSlice(int splits, int items) : c(splits), rank(0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  // c = 1 (one split, launched without a cluster): the block's own shared memory, one barrier.
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = c == 1 ? 0 : static_cast<int>(cluster.block_rank());
-  auto at = [&](const float* p, int r) { return c == 1 ? p : cluster.map_shared_rank(p, r); };
-  auto barrier = [&] {
-    if (c == 1) {
-      __syncthreads();
-    } else {
-      cluster.sync();
-    }
-  };
-  barrier();
-  for (int item = rank * kWarps * 32 + threadIdx.x; item < heads * (D / 2); item += c * kWarps * 32) {
+    // c = 1 (one split, launched without a cluster): the block's own shared memory.
+    if (c > 1) rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#endif
+    per = (items + c - 1) / c;
+  }
+  template <typename T>
+  __device__ __forceinline__ T* at(T* p, int r) const {  // p in rank r's shared memory
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return c == 1 ? p : cooperative_groups::this_cluster().map_shared_rank(p, r);
+#else
+    return p;
+#endif
+  }
+};
+
+// A block's shared memory may be written by another only once that block runs: each block of a
+// cluster of c > 1 arrives on the cluster barrier first thing (cluster_started_arrive) and waits on it
+// before its first push (cluster_started_wait); by then the others have long arrived.
+__device__ __forceinline__ void cluster_started_arrive(int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (c > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_started_wait(int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (c > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+// Output `item` (head item / (D/2)) of this block's merged partial to its owner; a head's first
+// output also sends the head's (m, l) to every rank.
+template <int D>
+__device__ __forceinline__ void push_partial(ClusterInbox<D>& inbox, const ClusterSlice& cs, int item,
+                                             float2 o, float m, float l) {
+  const int owner = item / cs.per;
+  *cs.at(&inbox.o[cs.rank * cs.per + item - owner * cs.per], owner) = o;
+  if (item % (D / 2) == 0) {
+    const int j = item / (D / 2);
+    for (int r = 0; r < cs.c; ++r) *cs.at(&inbox.ml[cs.rank][j], r) = make_float2(m, l);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void merge_cluster(const ClusterInbox<D>& inbox, const ClusterSlice& cs,
+                                              __nv_bfloat16* out_rows, int heads) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cs.c == 1) {
+    __syncthreads();
+  } else {
+    cooperative_groups::this_cluster().sync();  // arrive (release) and wait (acquire)
+  }
+  const int c = cs.c;
+  for (int k = threadIdx.x; k < cs.per; k += blockDim.x) {
+    const int item = cs.rank * cs.per + k;
+    if (item >= heads * (D / 2)) break;
     const int j = item / (D / 2), d2 = item % (D / 2);
-    // Every split's (m, l, o) of this output in flight at once: one round trip. An empty split's
-    // o is zeros (written so by its block), and its weight is 0.
     float m[kClusterSplits], l[kClusterSplits];
     float2 o[kClusterSplits];
 #pragma unroll
     for (int r = 0; r < kClusterSplits; ++r) {
-      m[r] = r < c ? at(&part_m[0], r)[j] : -INFINITY;
-      l[r] = r < c ? at(&part_l[0], r)[j] : 0.f;
-      o[r] = r < c ? *reinterpret_cast<const float2*>(at(&part_o[j][2 * d2], r)) : make_float2(0.f, 0.f);
+      const float2 ml = r < c ? inbox.ml[r][j] : make_float2(-INFINITY, 0.f);
+      m[r] = ml.x;
+      l[r] = ml.y;
+      o[r] = r < c ? inbox.o[r * cs.per + k] : make_float2(0.f, 0.f);
     }
     float M = m[0];
 #pragma unroll
@@ -314,7 +368,6 @@ __device__ __forceinline__ void merge_cluster(const float (&part_o)[kHeadsPerBlo
     *reinterpret_cast<__nv_bfloat162*>(out_rows + (int64_t)j * D + 2 * d2) =
         __floats2bfloat162_rn(acc.x, acc.y);
   }
-  if (c > 1) cluster.sync();  // c = 1: nothing reads this block's shared memory any more
 #else
   __trap();  // the host never merges in a cluster below sm_90
 #endif
@@ -449,8 +502,8 @@ __device__ __forceinline__ void patch_fresh_row(KVTile<D>& tile, int rel, int g,
 // kRope (rope_append_attention): q, rope.k and rope.v are the unrotated product rows; the block
 // first does rope_append's work for what it reads (rope_prologue) and the row positions[b] is taken
 // from there, not from the cache; the block that owns that row appends it to the caches.
-template <int D, bool kRope>
-__global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
+template <int D, bool kRope, int W>
+__global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split_kernel(
     const __nv_bfloat16* __restrict__ q,        // [B, H, D], batch stride q_bstride
     const __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], batch stride k_bstride
     const __nv_bfloat16* __restrict__ v_cache,  // [B, Hkv, S, D], batch stride v_bstride
@@ -470,6 +523,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   const int b = blockIdx.z;
   const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
   const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
+  const int cluster = cluster_merge ? splits : 1;  // blocks of this block's cluster
+  cluster_started_arrive(cluster);
   const int len = min(max(lengths[b], 0), S);
   const int chunk = split_chunk(len, splits);
   const int start = split * chunk;
@@ -496,7 +551,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   // requested before the wait. The register path leaves out row len - 1, which the kernel ahead
   // may be writing (the decode step's append), and loads a tile holding it again after the wait;
   // the ring path patches row pos from the prologue instead (the kernel ahead writes no cache row).
-  constexpr int kStep = kWarps * kTile;
+  static_assert(!kRope || W == kWarps, "the ring path's ring is sized for kWarps warps");
+  constexpr int kStep = W * kTile;
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
   unsigned char* ring = ring_smem + warp * (kStages * kSlotBytes);
@@ -517,9 +573,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   }
   pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
 
-  // The block's merged partial, in shared memory when the cluster merges the splits.
-  __shared__ __align__(16) float part_o[kHeadsPerBlock][D];
-  __shared__ float part_m[kHeadsPerBlock], part_l[kHeadsPerBlock];
+  // The outputs this block merges when the cluster merges the splits (merge_cluster).
+  __shared__ __align__(16) ClusterInbox<D> inbox;
   __nv_bfloat16* out_rows = out + ((int64_t)b * H + head0) * D;
 
   // kRope: the block's q heads rotated, and row pos's k and v (block-uniform condition: the
@@ -544,12 +599,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 
   if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
     if (cluster_merge) {
-      if (threadIdx.x < kHeadsPerBlock) {
-        part_m[threadIdx.x] = -INFINITY;
-        part_l[threadIdx.x] = 0.f;
+      const ClusterSlice cs(splits, heads * (D / 2));
+      cluster_started_wait(cluster);
+      for (int item = threadIdx.x; item < heads * (D / 2); item += W * 32) {
+        push_partial<D>(inbox, cs, item, make_float2(0.f, 0.f), -INFINITY, 0.f);
       }
-      for (int i = threadIdx.x; i < heads * D; i += kWarps * 32) part_o[i / D][i % D] = 0.f;
-      merge_cluster<D>(part_o, part_m, part_l, out_rows, heads, splits);
+      merge_cluster<D>(inbox, cs, out_rows, heads);
     } else if (threadIdx.x < heads) {
       float* row = ws + threadIdx.x * head_stride_ws;
       row[D] = -INFINITY;
@@ -632,9 +687,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
 
   // Merge the warps: each puts (m, l, o) per head in shared memory (the ring path: o in the warp's
   // own ring).
-  __shared__ float sm_m[kWarps][kHeadsPerBlock], sm_l[kWarps][kHeadsPerBlock];
+  __shared__ float sm_m[W][kHeadsPerBlock], sm_l[W][kHeadsPerBlock];
   // The register path's o (a token array in the ring path, which never uses it).
-  __shared__ __align__(16) float sm_o_regs[kRope ? 1 : kWarps][kHeadsPerBlock][kRope ? 4 : D];
+  __shared__ __align__(16) float sm_o_regs[kRope ? 1 : W][kHeadsPerBlock][kRope ? 4 : D];
   static_assert(kHeadsPerBlock * D * 4 <= kStages * kSlotBytes, "a warp's o must fit its ring");
   auto sm_o = [&](int w) -> float (*)[D] {
     if constexpr (kRope) {
@@ -662,17 +717,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
   }
   __syncthreads();
 
+  const ClusterSlice cs(cluster, heads * (D / 2));  // (cluster_merge only)
+  cluster_started_wait(cluster);
   // A warp with no tile has m = -inf, l = 0, o = 0: weight exp2(-inf) = 0. Warp 0 always has one
   // (its first tile starts at `start` < end), so the block max M is finite.
-  for (int item = threadIdx.x; item < heads * (D / 2); item += kWarps * 32) {
+  for (int item = threadIdx.x; item < heads * (D / 2); item += W * 32) {
     const int j = item / (D / 2), d2 = item % (D / 2);
     float M = sm_m[0][j];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, sm_m[w][j]);
+    for (int w = 1; w < W; ++w) M = fmaxf(M, sm_m[w][j]);
     float2 acc = make_float2(0.f, 0.f);
     float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < W; ++w) {
       const float wt = exp2f(sm_m[w][j] - M);
       const float2 v = *reinterpret_cast<const float2*>(&sm_o(w)[j][2 * d2]);
       acc.x += wt * v.x;
@@ -680,18 +737,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) decode_attention_split_kernel(
       l += wt * sm_l[w][j];
     }
     if (cluster_merge) {
-      *reinterpret_cast<float2*>(&part_o[j][2 * d2]) = acc;
-      if (d2 == 0) {
-        part_m[j] = M;
-        part_l[j] = l;
-      }
+      push_partial<D>(inbox, cs, item, acc, M, l);
     } else {
       float* row = ws + j * head_stride_ws;
       *reinterpret_cast<float2*>(row + 2 * d2) = acc;
       if (d2 == 0) *reinterpret_cast<float2*>(row + D) = make_float2(M, l);
     }
   }
-  if (cluster_merge) merge_cluster<D>(part_o, part_m, part_l, out_rows, heads, splits);
+  if (cluster_merge) merge_cluster<D>(inbox, cs, out_rows, heads);
 }
 
 // Phase 2: grid (H, B), W warps (blockDim 32 * W, W = combine_warps(splits) in 1..8). Block
@@ -882,6 +935,21 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
   if (env != nullptr && *env != '\0') return env[0] != '0';
   return splits <= 2 || blocks <= sm_count(device);
 }
+
+// Warps a block of the register path's split kernel: 8 where the splits merge in their cluster and
+// the grid fills at most a quarter of the SMs (batch 1 and 2 on short caches), else 4 (two blocks an
+// SM). With 8 warps, a split of 9 tiles (a 1025-token length over 8 splits) leaves no warp a third
+// tile, whose loads could not be issued before the wait, and a tile's arithmetic overlaps another
+// warp's on each scheduler. But a block of 8 warps (54K registers) can only become resident once the
+// kernel ahead has left that much of an SM, so over many SMs its first loads start late: measured
+// in the step (bench/RESULTS.md, session 20), 8 warps gained 0.5-1% at batch 1 (16 and 32 blocks)
+// and lost 6% at batch 8 (128 blocks). DECODEX_ATTN_WARPS=4 or 8 forces it (tests and A/B runs; read per
+// call).
+int split_warps(bool in_cluster, int64_t blocks, int device) {
+  const char* env = std::getenv("DECODEX_ATTN_WARPS");
+  if (env != nullptr && *env != '\0') return env[0] == '8' ? 2 * kWarps : kWarps;
+  return in_cluster && 4 * blocks <= sm_count(device) ? 2 * kWarps : kWarps;
+}
 }  // namespace
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -981,12 +1049,15 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
     constexpr int kD = decltype(d_tag)::value;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
-    auto* kernel = rope != nullptr ? decode_attention_split_kernel<kD, true>
-                                   : decode_attention_split_kernel<kD, false>;
+    const bool wide = rope == nullptr && split_warps(in_cluster, B * Hkv * head_blocks * splits,
+                                                     q.get_device()) == 2 * kWarps;
+    auto* kernel = rope != nullptr ? decode_attention_split_kernel<kD, true, kWarps>
+                   : wide ? decode_attention_split_kernel<kD, false, 2 * kWarps>
+                          : decode_attention_split_kernel<kD, false, kWarps>;
     const int smem = rope != nullptr ? kRingBytes<kD> : 0;  // the ring path's ring
     if (smem > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, q.get_device(), op);
     cudaError_t err = launch_pdl_clusters(
-        kernel, grid, dim3(kWarps * 32), static_cast<size_t>(smem), stream,
+        kernel, grid, dim3((wide ? 2 * kWarps : kWarps) * 32), static_cast<size_t>(smem), stream,
         in_cluster ? static_cast<unsigned>(splits) : 1u,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),

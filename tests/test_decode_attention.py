@@ -177,15 +177,16 @@ def test_every_cluster_size(monkeypatch, merge, B, splits, H, Hkv, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", [m for m in MERGES if m != "combine"])
 @pytest.mark.parametrize("B", [4, 27, 45])  # 8, 4 and 2 splits on a 132-SM GPU
-def test_cluster_merge_close_to_combine(monkeypatch, B):
-    """The two merges sum the same partials in different orders: equal to a bf16 ulp or so."""
+def test_cluster_merge_close_to_combine(monkeypatch, merge, B):
+    """The merges sum the same partials in different orders: equal to a bf16 ulp or so."""
     H, Hkv, D, S = 12, 2, 128, 1000
     assert _splits(B, Hkv, S) <= 8, "more than 8 splits: both would take the combine"
     lengths = [[S, 1, 0, S // 3][b % 4] if b < 4 else (71 * b) % (S + 1) for b in range(B)]
     q, k, v = make_inputs(lengths, H, Hkv, D, S)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    set_merge(monkeypatch, "cluster")
+    set_merge(monkeypatch, merge)
     a = run_op(q, k, v, lens, 0.088)
     set_merge(monkeypatch, "combine")
     b = run_op(q, k, v, lens, 0.088)
@@ -289,16 +290,18 @@ def test_cuda_graph_replay_as_lengths_grow():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("start,S", [([0, 127, 4000], 4100), ([1, 128, 2], 4100), ([0, 127, 900], 1000),
                                      ([990 - 13 * i for i in range(45)], 1000)], ids=lambda v: str(v)[:40])
-def test_prefetch_cache_after_the_append(start, S, D):
+def test_prefetch_cache_after_the_append(monkeypatch, merge, start, S, D):
     """prefetch_cache=True right behind the append of row lengths - 1, as the decode step runs them:
     [rope_append at positions, decode_attention, advance_positions] in one CUDA graph. The appended
     row was poison before (huge K, NaN V), so reading it before the append finished would show; each
     replay matches the reference on the cache as appended. (S = 1000: 8 splits, merged in a cluster
     on sm_90. 45 rows: 2 splits of up to 8 tiles a warp, so the appended row also falls in tiles
     loaded after the wait, not only in the two loaded before it.)"""
+    set_merge(monkeypatch, merge)
     H, Hkv = 12, 2
     B = len(start)
     q, kc, vc = make_inputs(start, H, Hkv, D, S)
