@@ -269,10 +269,10 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
 // (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty split
 // sends o zeros and m = -inf (weight 0); all empty (length 0) gives zeros. No block reads another's
 // shared memory, and every write into a block comes before the barrier it waits at, so the blocks
-// exit without a second barrier. (Measured in the step, bench/RESULTS.md, session 20: every block
-// pulling all the splits' partials of its outputs after a barrier, then a second barrier, was 0.2 us
-// a layer slower; the block's partial gathered in its own shared memory first and pushed in 16-byte
-// stores after a block barrier, 0.1-0.2 us slower.)
+// exit without a second barrier. (Measured in the step at batch 1, bench/RESULTS.md, session 20:
+// every block pulling all the splits' partials of its outputs after a barrier, then a second
+// barrier, cost about 0.1 us a layer more; the block's partial gathered in its own shared memory
+// first and pushed in 16-byte stores after a block barrier, 0.1-0.2 us more.)
 template <int D>
 struct ClusterInbox {
   float2 o[kHeadsPerBlock * D / 2 + kClusterSplits];  // [source rank][owned output]
