@@ -19,10 +19,10 @@
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, with the next tiles'
 // K and V in flight while it computes one. Two ways, one per kernel instance:
 //   - decode_attention (the register path): the next tile's loads go straight into a second
-//     register buffer (214 registers a thread; one tile in flight while the other is used);
+//     register buffer (218 registers a thread; one tile in flight while the other is used);
 //   - rope_append_attention (the ring path): the tiles come through a ring of kStages slots in
 //     shared memory (cp.async), so kStages tiles are in flight and only the one being computed
-//     sits in registers (204 registers, 96 KB of shared memory a block). Beside the cuBLAS products
+//     sits in registers (196 registers, 96 KB of shared memory a block). Beside the cuBLAS products
 //     of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention beside
 //     the GEMVs of the small batches it was slower, so decode_attention keeps the registers
 //     (bench/RESULTS.md, session 16).
@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
 
   if (start >= end) {  // nothing of this sequence in this split: an empty partial, no reads
     if (cluster_merge) {
-      const ClusterSlice cs(splits, heads * (D / 2));
+      const ClusterSlice cs(cluster, heads * (D / 2));
       cluster_started_wait(cluster);
       for (int item = threadIdx.x; item < heads * (D / 2); item += W * 32) {
         push_partial<D>(inbox, cs, item, make_float2(0.f, 0.f), -INFINITY, 0.f);
