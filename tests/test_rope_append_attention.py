@@ -93,6 +93,7 @@ RING_MERGES = [m for m in MERGES if not m.endswith("-8w")]
 def _four_warps(monkeypatch):
     monkeypatch.setenv("DECODEX_ATTN_WARPS", "4")
 
+
 # (H, Hkv, D): Qwen2.5-1.5B, Qwen2.5-7B, a D = 64 model, a group of 16 (two head blocks), MHA.
 HEADS = [(12, 2, 128), (28, 4, 128), (9, 3, 64), (32, 2, 128), (4, 4, 64)]
 
