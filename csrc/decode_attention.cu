@@ -63,6 +63,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common.h"
@@ -943,11 +944,15 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 // warp's on each scheduler. But a block of 8 warps (54K registers) can only become resident once the
 // kernel ahead has left that much of an SM, so over many SMs its first loads start late: measured
 // in the step (bench/RESULTS.md, session 20), 8 warps gained 0.5-1% at batch 1 (16 and 32 blocks)
-// and lost 6% at batch 8 (128 blocks). DECODEX_ATTN_WARPS=4 or 8 forces it (tests and A/B runs; read per
-// call).
+// and lost 6% at batch 8 (128 blocks). DECODEX_ATTN_WARPS=4 or 8 forces it (tests and A/B runs; read
+// per call; another value is an error).
 int split_warps(bool in_cluster, int64_t blocks, int device) {
   const char* env = std::getenv("DECODEX_ATTN_WARPS");
-  if (env != nullptr && *env != '\0') return env[0] == '8' ? 2 * kWarps : kWarps;
+  if (env != nullptr && *env != '\0') {
+    const std::string v(env);
+    DX_CHECK(v == "4" || v == "8", "DECODEX_ATTN_WARPS must be 4 or 8 (or unset), got \"", v, "\"");
+    return v == "8" ? 2 * kWarps : kWarps;
+  }
   return in_cluster && 4 * blocks <= sm_count(device) ? 2 * kWarps : kWarps;
 }
 }  // namespace
@@ -1042,22 +1047,22 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   const int head_blocks = (group + kHeadsPerBlock - 1) / kHeadsPerBlock;
   const float scale_log2 = static_cast<float>(scale) * kLog2e;
   const cudaStream_t stream = current_stream();
-  const bool in_cluster =
-      merge_in_cluster(splits, B * Hkv * head_blocks * splits, q.get_device());
+  const int64_t blocks = B * Hkv * head_blocks * splits;
+  const bool in_cluster = merge_in_cluster(splits, blocks, q.get_device());
+  // The ring path (rope_append_attention) always has kWarps warps.
+  const int warps = rope != nullptr ? kWarps : split_warps(in_cluster, blocks, q.get_device());
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
-    const bool wide = rope == nullptr && split_warps(in_cluster, B * Hkv * head_blocks * splits,
-                                                     q.get_device()) == 2 * kWarps;
     auto* kernel = rope != nullptr ? decode_attention_split_kernel<kD, true, kWarps>
-                   : wide ? decode_attention_split_kernel<kD, false, 2 * kWarps>
-                          : decode_attention_split_kernel<kD, false, kWarps>;
+                   : warps == 2 * kWarps ? decode_attention_split_kernel<kD, false, 2 * kWarps>
+                                         : decode_attention_split_kernel<kD, false, kWarps>;
     const int smem = rope != nullptr ? kRingBytes<kD> : 0;  // the ring path's ring
     if (smem > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, q.get_device(), op);
     cudaError_t err = launch_pdl_clusters(
-        kernel, grid, dim3((wide ? 2 * kWarps : kWarps) * 32), static_cast<size_t>(smem), stream,
+        kernel, grid, dim3(warps * 32), static_cast<size_t>(smem), stream,
         in_cluster ? static_cast<unsigned>(splits) : 1u,
         reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(k_cache.data_ptr()),

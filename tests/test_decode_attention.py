@@ -389,6 +389,15 @@ def test_rejects_small_workspace():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("value", ["6", "16", "eight"])
+def test_rejects_bad_warps_switch(monkeypatch, value):
+    """DECODEX_ATTN_WARPS takes 4 or 8; anything else is an error naming it, not a silent 4."""
+    monkeypatch.setenv("DECODEX_ATTN_WARPS", value)
+    with pytest.raises(RuntimeError, match="DECODEX_ATTN_WARPS must be 4 or 8"):
+        _ops().decode_attention(*_valid_args())
+
+
+@pytest.mark.gpu
 def test_rejects_wrong_out_shape():
     args = _valid_args()
     args[6] = torch.empty(2, 12, 64, device="cuda", dtype=torch.bfloat16)
