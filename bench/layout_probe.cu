@@ -15,8 +15,9 @@
 //              order, so a warp's k-range of a tile is one contiguous run and a trip U KB of it.
 // Each layout is timed L2-cold (each launch reads a copy of the weight the launches before did not
 // touch: two 1.1 GB buffers, each cut into as many copies as fit), one launch at a time between
-// CUDA events, median of 21, after 3 warm-ups; GB/s is weight bytes over that time. The shapes and configurations are those csrc/gemv.cu's table picks at M = 1
-// for Qwen2.5-7B and -1.5B (wr, wk, c, U). A reference line reads 1 GiB with cudaMemcpy.
+// CUDA events, median of 21, after 3 warm-ups; GB/s is weight bytes over that time. The shapes and
+// configurations are those csrc/gemv.cu's table picks at M = 1 for Qwen2.5-7B and -1.5B (wr, wk,
+// c, U). A reference line times a 1 GiB device-to-device cudaMemcpy (read and write).
 // Every word of each load is folded into a checksum that decides a store which never happens, so
 // no load is narrowed or dropped.
 // Build here or on the GPU machine, from the repository root:
