@@ -30,14 +30,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+#include "probe.cuh"
 
 namespace {
 
