@@ -98,6 +98,23 @@ constexpr Shape kShapes[] = {
     {"1.5B gate|up", 17920, 1536, 1, 2, 1, 4, 10},  // 2 x 96
 };
 
+// GPU milliseconds of what `launch` enqueues, between two CUDA events.
+template <typename F>
+float event_ms(F launch) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  launch();
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms;
+}
+
 float median_us(const Shape& sh, bool packed, char* const (&bufs)[2], int64_t buf_bytes, unsigned* sink) {
   const int64_t bytes = (int64_t{2} * sh.N * sh.K + 255) / 256 * 256;
   const int64_t copies = std::max<int64_t>(1, buf_bytes / bytes);  // per buffer
@@ -112,27 +129,19 @@ float median_us(const Shape& sh, bool packed, char* const (&bufs)[2], int64_t bu
     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, pad));
     CK(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   }
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   std::vector<float> times;
   for (int i = 0; i < 24; ++i) {
     const char* w = bufs[i & 1] + ((i / 2) % copies) * bytes;
-    CK(cudaEventRecord(e0));
-    if (sh.u == 8) {
-      stream_kernel<8><<<grid, block, pad>>>(w, sh.N, sh.K, sh.wr, sh.wk, sh.c, packed, sink);
-    } else {
-      stream_kernel<4><<<grid, block, pad>>>(w, sh.N, sh.K, sh.wr, sh.wk, sh.c, packed, sink);
-    }
-    CK(cudaGetLastError());
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0.f;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    const float ms = event_ms([&] {
+      if (sh.u == 8) {
+        stream_kernel<8><<<grid, block, pad>>>(w, sh.N, sh.K, sh.wr, sh.wk, sh.c, packed, sink);
+      } else {
+        stream_kernel<4><<<grid, block, pad>>>(w, sh.N, sh.K, sh.wr, sh.wk, sh.c, packed, sink);
+      }
+      CK(cudaGetLastError());
+    });
     if (i >= 3) times.push_back(ms * 1000.f);
   }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -156,18 +165,9 @@ int main() {
     char *src, *dst;
     CK(cudaMalloc(&src, n));
     CK(cudaMalloc(&dst, n));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     float best = 1e30f;
     for (int i = 0; i < 5; ++i) {
-      CK(cudaEventRecord(e0));
-      CK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0.f;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      best = std::min(best, ms);
+      best = std::min(best, event_ms([&] { CK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice)); }));
     }
     std::printf("reference: 1 GiB cudaMemcpy D2D, best of 5: %.0f GB/s (read + write)\n",
                 2.0 * n / (best * 1e-3) / 1e9);
