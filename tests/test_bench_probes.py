@@ -1,5 +1,5 @@
-"""The standalone probes in bench/ (sync_probe.cu, stream_probe.cu) are not part of the extension, so
-nothing else compiles them: these tests do, with the toolkit's nvcc, on the CPU. And they check
+"""The standalone probes in bench/ (sync_probe.cu, stream_probe.cu, chain_probe.cu) are not part of the
+extension, so nothing else compiles them: these tests do, with the toolkit's nvcc, on the CPU. And they check
 that sync_probe streams with 16-byte loads: until session 19 its checksum used only two words of
 each load, and the compiler narrowed every 16-byte load to two 4-byte ones, which the timings did
 not show."""
@@ -45,7 +45,7 @@ def _nvcc(tmp_path: Path, source: str, *extra: str) -> Path:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("source", ["bench/sync_probe.cu", "bench/stream_probe.cu"])
+@pytest.mark.parametrize("source", ["bench/sync_probe.cu", "bench/stream_probe.cu", "bench/chain_probe.cu"])
 def test_probe_compiles(tmp_path, source):
     assert _nvcc(tmp_path, source).is_file()
 
