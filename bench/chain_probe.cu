@@ -143,7 +143,8 @@ chain_kernel(const unsigned char* __restrict__ buf, const int64_t* __restrict__ 
       }
       const int64_t stop = min(end, stage_end);
       const uint32_t a = smem_u32(ring + slot * kStage);
-      for (int64_t off = pos - q * kStage + threadIdx.x * 16; off < stop - q * kStage; off += kConsumers * 32 * 16) {
+      const int64_t from = pos - q * kStage, to = stop - q * kStage;  // bytes of the slot
+      for (int64_t off = from + threadIdx.x * 16; off < to; off += kConsumers * 32 * 16) {
         const uint4 v = lds16(a + static_cast<uint32_t>(off));
         acc += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
       }
@@ -163,7 +164,8 @@ chain_kernel(const unsigned char* __restrict__ buf, const int64_t* __restrict__ 
 }
 
 // The reference: every byte of n16 16-byte words read once, 8 loads in flight a thread.
-__global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ p, int64_t n16, float* sink) {
+__global__ void __launch_bounds__(256)
+read_kernel(const uint4* __restrict__ p, int64_t n16, float* sink) {
   const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nth = static_cast<int64_t>(gridDim.x) * blockDim.x;
   unsigned acc = 0;
@@ -192,7 +194,9 @@ constexpr Model kModels[] = {
 std::vector<double> step_links(const Model& m, int context) {
   std::vector<double> mb;
   for (int layer = 0; layer < 28; ++layer) {
-    for (double v : {m.qkv, m.kv_mb_per_k * context / 1024.0, 0.0, m.o, m.gate_up, m.down}) mb.push_back(v);
+    for (double v : {m.qkv, m.kv_mb_per_k * context / 1024.0, 0.0, m.o, m.gate_up, m.down}) {
+      mb.push_back(v);
+    }
   }
   mb.push_back(m.lm_head);
   mb.push_back(0.0);
@@ -252,12 +256,15 @@ int main() {
   const int64_t ref_bytes = int64_t{4} << 30;
   std::vector<float> ref;
   for (int i = 0; i < 6; ++i) {
-    ref.push_back(event_ms([&] { read_kernel<<<2 * sms, 256>>>(reinterpret_cast<const uint4*>(buf), ref_bytes / 16, sink); }));
+    ref.push_back(event_ms([&] {
+      read_kernel<<<2 * sms, 256>>>(reinterpret_cast<const uint4*>(buf), ref_bytes / 16, sink);
+    }));
   }
   std::sort(ref.begin() + 1, ref.end());
   const double bw = ref_bytes / (ref[3] * 1e-3) / 1e9;
   std::printf("plain read of 4 GiB: %.0f GB/s (median of 5)\n", bw);
-  std::printf("| model | context | links | MB streamed | bytes / read bw, ms | ring KB | mode | ms | GB/s | %% of read bw |\n");
+  std::printf("| model | context | links | MB streamed | bytes / read bw, ms | ring KB | mode | ms | GB/s "
+              "| %% of read bw |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
 
   for (const Model& m : kModels) {

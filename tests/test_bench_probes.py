@@ -1,8 +1,8 @@
-"""The standalone probes in bench/ (sync_probe.cu, stream_probe.cu, chain_probe.cu) are not part of the
-extension, so nothing else compiles them: these tests do, with the toolkit's nvcc, on the CPU. And they check
-that sync_probe streams with 16-byte loads: until session 19 its checksum used only two words of
-each load, and the compiler narrowed every 16-byte load to two 4-byte ones, which the timings did
-not show."""
+"""The standalone probes in bench/ (sync_probe.cu, stream_probe.cu, chain_probe.cu) are not part of
+the extension, so nothing else compiles them: these tests do, with the toolkit's nvcc, on the CPU.
+And they check that sync_probe streams with 16-byte loads: until session 19 its checksum used only
+two words of each load, and the compiler narrowed every 16-byte load to two 4-byte ones, which the
+timings did not show."""
 import os
 import re
 import shutil
