@@ -39,12 +39,11 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#include "ptx.cuh"
 #include "probe.cuh"
+#include "stream.cuh"
 
 namespace {
 using decodex::lds16;
-using decodex::load16_stream_l2_256;
 
 constexpr int kConsumers = 4;                    // consumer warps a block
 constexpr int kThreads = (kConsumers + 1) * 32;  // and the producer warp
@@ -163,22 +162,6 @@ chain_kernel(const unsigned char* __restrict__ buf, const int64_t* __restrict__ 
   }
 }
 
-// The reference: every byte of n16 16-byte words read once, 8 loads in flight a thread.
-__global__ void __launch_bounds__(256)
-read_kernel(const uint4* __restrict__ p, int64_t n16, float* sink) {
-  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t nth = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  unsigned acc = 0;
-  for (int64_t i = tid; i < n16; i += 8 * nth) {
-    uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = load16_stream_l2_256(p + i + j * nth, i + j * nth < n16);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc += v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  if (acc == 0x9E3779B9u) sink[0] = static_cast<float>(acc);
-}
-
 struct Model {
   const char* name;
   double qkv, o, gate_up, down, lm_head;  // weight MB a link
@@ -201,22 +184,6 @@ std::vector<double> step_links(const Model& m, int context) {
   mb.push_back(m.lm_head);
   mb.push_back(0.0);
   return mb;
-}
-
-template <typename F>
-float event_ms(F launch) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0));
-  launch();
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0.f;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return ms;
 }
 
 }  // namespace
@@ -257,7 +224,7 @@ int main() {
   std::vector<float> ref;
   for (int i = 0; i < 6; ++i) {
     ref.push_back(event_ms([&] {
-      read_kernel<<<2 * sms, 256>>>(reinterpret_cast<const uint4*>(buf), ref_bytes / 16, sink);
+      read_kernel<8><<<2 * sms, 256>>>(reinterpret_cast<const uint4*>(buf), ref_bytes / 16, sink);
     }));
   }
   std::sort(ref.begin() + 1, ref.end());

@@ -5,18 +5,19 @@
 //   method 0: one producer warp, one cp.async.bulk per "row" piece of a stage, on an mbarrier
 //   method 1: one producer warp, 16-byte cp.async, cp.async.mbarrier.arrive.noinc
 //   pf 1: L2 prefetch of the first S stages before the copies; pf 2: of stages S .. 2S-1
-//   reference: plain 16-byte register loads (reg_kernel), 8 in flight per thread
+//   reference: plain 16-byte register loads (stream.cuh's read_kernel), 8 in flight per thread
 // Build and run on the GPU machine, from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Icsrc -o stream_probe bench/stream_probe.cu
 //   ./stream_probe
 // Single launches timed with CUDA events (best of 5), not graph replay: compare rows with each
 // other, not with the graph-replayed op benchmarks.
+#include <algorithm>
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#include "ptx.cuh"
 #include "probe.cuh"
+#include "stream.cuh"
 
 namespace probe {
 using namespace decodex;
@@ -87,21 +88,6 @@ __global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __res
   if (acc == 12345.f) sink[0] = acc;
 }
 
-// method 2: registers: each warp streams its share with U 16B loads per lane in flight
-template <int U>
-__global__ void __launch_bounds__(256) reg_kernel(const uint4* __restrict__ buf, size_t n16, float* sink) {
-  const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, nth = (size_t)gridDim.x * blockDim.x;
-  float acc = 0.f;
-  for (size_t i = tid; i < n16; i += nth * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) v[j] = load16_stream_l2_256(buf + i + j * nth, i + j * nth < n16);
-#pragma unroll
-    for (int j = 0; j < U; ++j) acc += __int_as_float(v[j].x) + __int_as_float(v[j].w);
-  }
-  if (acc == 12345.f) sink[0] = acc;
-}
-
 }  // namespace probe
 
 int main() {
@@ -111,17 +97,15 @@ int main() {
   cudaMalloc(&buf, total); cudaMalloc(&sink, 4); cudaMemset(buf, 1, total);
   cudaFuncSetAttribute(ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 << 10);
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  auto timeit = [&](auto launch) {
+  auto timeit = [&](auto launch) {  // best of 5 after a warm-up
     launch(); cudaDeviceSynchronize();
     float best = 1e9;
-    for (int r = 0; r < 5; ++r) { cudaEventRecord(e0); launch(); cudaEventRecord(e1); cudaEventSynchronize(e1);
-      float ms; cudaEventElapsedTime(&ms, e0, e1); best = ms < best ? ms : best; }
+    for (int r = 0; r < 5; ++r) best = std::min(best, event_ms(launch));
     return best;
   };
   printf("regs: ");
   for (int bps : {2, 4, 8}) {
-    float ms = timeit([&] { reg_kernel<8><<<sms * bps, 256>>>((const uint4*)buf, total / 16, sink); });
+    float ms = timeit([&] { read_kernel<8><<<sms * bps, 256>>>((const uint4*)buf, static_cast<int64_t>(total / 16), sink); });
     printf(" U8 %d blk/sm %.0f GB/s |", bps, total / ms / 1e6);
   }
   printf("\n");

@@ -173,9 +173,6 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&flags, L * sizeof(unsigned)));
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
 
   // Captures `body(k)` for the L links (or once, for the persistent kernel), checks the chain and
   // returns the best of 5 timings in us per link (negative: the chain's result was wrong).
@@ -198,12 +195,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < 5; ++r) CK(cudaGraphLaunch(exec, s));
     float best = 1e30f;
     for (int trial = 0; trial < 5; ++trial) {
-      CK(cudaEventRecord(e0, s));
-      for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
+      const float ms = event_ms([&] { for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, s)); }, s);
       best = ms < best ? ms : best;
     }
     CK(cudaGraphExecDestroy(exec));
