@@ -241,11 +241,54 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
+// ---- the shared-memory carveout ----
+// Each SM splits 256 KB between shared memory and L1. A kernel's split preference is only a hint,
+// and by our reading an SM changes its split only while idle: with programmatic dependent launch the
+// next kernel's blocks join an SM that still runs the kernel before, under that kernel's split. The
+// register GEMVs keep their weight loads in flight in L1, and the decode step measured so (bench/
+// RESULTS.md, session 23, one split forced on every kernel): against the driver's own choices a
+// 100 KB shared-memory split made the 7B step 0.5-0.7% faster at batch 1 (three runs of four) and
+// 2.5% at batch 8, and moved 1.5B's by -0.3 to +0.4%; 132 KB made the 7B step 5% slower, 164 KB
+// 15-29%, and a 228 KB split on the kernels other than the GEMVs alone 8.5% (the GEMVs then ran
+// under it). So every decodex kernel without dynamic
+// shared memory asks for the same 100 KB split (kCarveoutPercent: percent of the 228 KB maximum,
+// which the driver rounds up to its 100 KB configuration), and the kernels that size their shared
+// memory at launch (the wgmma GEMV, rope_append_attention's ring) keep the driver's choice.
+// DECODEX_CARVEOUT=<percent> (-1: the driver's default) overrides it for those kernels, read per
+// launch (A/B runs of the step).
+constexpr int kCarveoutPercent = 44;
+
+inline void apply_carveout(const void* kernel) {
+  const char* env = std::getenv("DECODEX_CARVEOUT");
+  int want = kCarveoutPercent;
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    DX_CHECK(*end == '\0' && v >= -1 && v <= 100,
+             "DECODEX_CARVEOUT must be a percent from 0 to 100 or -1 (the driver's default), got \"",
+             env, "\"");
+    want = static_cast<int>(v);
+  }
+  int device = 0;
+  DX_CHECK(cudaGetDevice(&device) == cudaSuccess, "decodex: no current CUDA device");
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> have;  // (kernel, device) -> percent asked
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = have.find({kernel, device});
+  if (it != have.end() && it->second == want) return;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, want);
+  DX_CHECK(err == cudaSuccess, "decodex: could not set a kernel's shared-memory carveout to ", want,
+           "%: ", cudaGetErrorString(err));
+  have[{kernel, device}] = want;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute and, when cluster_x > 1,
 // thread-block clusters of (cluster_x, 1, 1) (sm_90); returns the launch error.
 template <typename... Params, typename... Args>
 inline cudaError_t launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                        cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+  if (smem == 0) apply_carveout(reinterpret_cast<const void*>(kernel));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -133,6 +133,32 @@ def test_gemv_wide_rows_independent(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("value", ["-1", "0", "100"])
+def test_carveout_switch_keeps_results(monkeypatch, value):
+    """DECODEX_CARVEOUT changes only where each SM splits shared memory and L1 (common.h): the
+    products are the same bits as under the default split, for M = 1, 8 and a wide M (and again
+    once the variable is gone, when the default is asked for again)."""
+    x, w, b = _inputs(8, 769, 1536)
+    want = {m: _gemv(x[:m], w, b, _poisoned(m, 769)) for m in (1, 8, 24)}
+    monkeypatch.setenv("DECODEX_CARVEOUT", value)
+    for m, out in want.items():
+        assert torch.equal(_gemv(x[:m], w, b, _poisoned(m, 769)), out), m
+    monkeypatch.delenv("DECODEX_CARVEOUT")
+    for m, out in want.items():
+        assert torch.equal(_gemv(x[:m], w, b, _poisoned(m, 769)), out), m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["101", "-2", "44%", "big"])
+def test_rejects_bad_carveout_switch(monkeypatch, value):
+    """DECODEX_CARVEOUT takes a percent from 0 to 100 or -1; anything else is an error naming it."""
+    x, w, b = _inputs(1, 64, 64)
+    monkeypatch.setenv("DECODEX_CARVEOUT", value)
+    with pytest.raises(RuntimeError, match="DECODEX_CARVEOUT must be a percent"):
+        _gemv(x, w, b, _poisoned(1, 64))
+
+
+@pytest.mark.gpu
 def test_gemv_wide_mma_rows_independent(monkeypatch):
     """gemv.cu's wide variants (M > 8; a small product up to 32 rows runs on them on every build): a
     row's result is the same bits whatever the other rows and their number: 32 rows at once equal
