@@ -138,7 +138,7 @@ def test_carveout_switch_keeps_results(monkeypatch, value):
     """DECODEX_CARVEOUT changes only where each SM splits shared memory and L1 (common.h): the
     products are the same bits as under the default split, for M = 1, 8 and a wide M (and again
     once the variable is gone, when the default is asked for again)."""
-    x, w, b = _inputs(8, 769, 1536)
+    x, w, b = _inputs(24, 769, 1536)
     want = {m: _gemv(x[:m], w, b, _poisoned(m, 769)) for m in (1, 8, 24)}
     monkeypatch.setenv("DECODEX_CARVEOUT", value)
     for m, out in want.items():
