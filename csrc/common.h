@@ -250,12 +250,11 @@ inline bool pdl_enabled() {
 // 100 KB shared-memory split made the 7B step 0.5-0.7% faster at batch 1 (three runs of four) and
 // 2.5% at batch 8, and moved 1.5B's by -0.3 to +0.4%; 132 KB made the 7B step 5% slower, 164 KB
 // 15-29%, and a 228 KB split on the kernels other than the GEMVs alone 8.5% (the GEMVs then ran
-// under it). So every decodex kernel without dynamic
-// shared memory asks for the same 100 KB split (kCarveoutPercent: percent of the 228 KB maximum,
-// which the driver rounds up to its 100 KB configuration), and the kernels that size their shared
-// memory at launch (the wgmma GEMV, rope_append_attention's ring) keep the driver's choice.
-// DECODEX_CARVEOUT=<percent> (-1: the driver's default) overrides it for those kernels, read per
-// launch (A/B runs of the step).
+// under it). So every decodex kernel without dynamic shared memory asks for the same 100 KB split
+// (kCarveoutPercent: percent of the 228 KB maximum, which the driver rounds up to its 100 KB
+// configuration), and the kernels that size their shared memory at launch (the wgmma GEMV,
+// rope_append_attention's ring) keep the driver's choice. DECODEX_CARVEOUT=<percent> (-1: the
+// driver's default) replaces kCarveoutPercent, read per launch (A/B runs of the step).
 constexpr int kCarveoutPercent = 44;
 
 inline void apply_carveout(const void* kernel) {
