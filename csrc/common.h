@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -185,19 +186,30 @@ inline int cached_blocks_per_sm(std::atomic<int>& slot, const void* kernel, int 
   return n - 1;
 }
 
-// Lets `kernel` launch with up to `bytes` of dynamic shared memory on `device` (the current device).
-// The attribute is host-side state of the device, no stream work (fine during CUDA-graph capture):
+// Sets `attr` of `kernel` on `device` (the current device) to `value`, unless the value last set
+// there already serves: it is at least `value` when `at_least`, else equal to it. A kernel attribute
+// is host-side state of the device, no stream work (fine during CUDA-graph capture). Returns the
+// error of the setting (cudaSuccess when nothing needed setting).
+inline cudaError_t set_kernel_attribute(const void* kernel, int device, cudaFuncAttribute attr,
+                                        int value, bool at_least) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int> last;  // (kernel, device, attr) -> value
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(kernel, device, static_cast<int>(attr));
+  const auto it = last.find(key);
+  if (it != last.end() && (at_least ? value <= it->second : value == it->second)) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, attr, value);
+  if (err == cudaSuccess) last[key] = value;
+  return err;
+}
+
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory on `device` (the current device):
 // set only when a call needs more than the kernel was allowed before. `op` names the caller.
 inline void allow_dynamic_smem(const void* kernel, int bytes, int device, const char* op) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
-  std::lock_guard<std::mutex> lock(mu);
-  int& have = allowed[{kernel, device}];
-  if (bytes <= have) return;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t err = set_kernel_attribute(
+      kernel, device, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes, /*at_least=*/true);
   DX_CHECK(err == cudaSuccess, "decodex::", op, ": could not allow ", bytes,
            " bytes of shared memory a block: ", cudaGetErrorString(err));
-  have = bytes;
 }
 
 // ---- programmatic dependent launch (PDL) ----
@@ -270,16 +282,10 @@ inline void apply_carveout(const void* kernel) {
   }
   int device = 0;
   DX_CHECK(cudaGetDevice(&device) == cudaSuccess, "decodex: no current CUDA device");
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> have;  // (kernel, device) -> percent asked
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = have.find({kernel, device});
-  if (it != have.end() && it->second == want) return;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, want);
+  const cudaError_t err = set_kernel_attribute(
+      kernel, device, cudaFuncAttributePreferredSharedMemoryCarveout, want, /*at_least=*/false);
   DX_CHECK(err == cudaSuccess, "decodex: could not set a kernel's shared-memory carveout to ", want,
            "%: ", cudaGetErrorString(err));
-  have[{kernel, device}] = want;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute and, when cluster_x > 1,
