@@ -299,21 +299,6 @@ struct ClusterSlice {
   }
 };
 
-// A block's shared memory may be written by another only once that block runs: each block of a
-// cluster of c > 1 arrives on the cluster barrier first thing (cluster_started_arrive) and waits on it
-// before its first push (cluster_started_wait); by then the others have long arrived.
-__device__ __forceinline__ void cluster_started_arrive(int c) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (c > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cluster_started_wait(int c) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (c > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-
 // Output `item` (head item / (D/2)) of this block's merged partial to its owner; a head's first
 // output also sends the head's (m, l) to every rank.
 template <int D>

@@ -47,9 +47,10 @@
 // Variants (chosen per call by the host, same kernel body):
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it.
 //  * c > 1, cluster split-K (sm_90): small N (the K projection has 16 tiles for 132 SMs) splits
-//    K again over the c blocks of a thread-block cluster, on c SMs; block 0 of the cluster sums
-//    the others' partials through distributed shared memory. No workspace, no atomics, and the
-//    summation order is fixed, so results are deterministic.
+//    K again over the c blocks of a thread-block cluster, on c SMs; the other blocks store their
+//    partials into block 0's shared memory (distributed shared memory), which sums them after one
+//    cluster barrier. No workspace, no atomics, and the summation order is fixed, so results are
+//    deterministic.
 //  * U = 4 (~88 registers, more warps per SM) or U = 8 (128 registers, twice the loads in flight
 //    per warp).
 //  * The wide variants, M = 9..64 (gemv's plain epilogue, with or without accumulate; no RMS
@@ -137,10 +138,15 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // the sum of squares.
   constexpr int kSums = 4 * NB + (kRms ? 1 : 0);
   __shared__ float red[kMaxWarps][kSums][32];
+  // Cluster split-K by push (see the cluster sum below): in rank 0, rank q's lead warp j's partial
+  // at slot (q - 1) * wr + j. Only M <= 8 pushes (the wide variants' partials would double `red`).
+  __shared__ float inbox[NB == 1 ? kMaxWarps : 1][kSums][32];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rank = blockIdx.x % c;  // block rank in its cluster (cluster dims are (c, 1, 1))
+  const bool push = NB == 1 && c > 1 && (c - 1) * wr <= kMaxWarps;  // grid-uniform
+  cluster_started_arrive(push ? c : 1);
   const int tile = (blockIdx.x / c) * wr + warp / wk;
   const int parts = wk * c, part = rank * wk + warp % wk;
   const int ksteps = (K + kStepK - 1) / kStepK;
@@ -296,25 +302,41 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       }
     }
   }
-  // Sum the c blocks of the cluster into block 0 (grid-uniform branch). A lead warp only
-  // rewrites its own slot, which no other warp of its block reads.
+  // Sum the c blocks of the cluster into block 0 (grid-uniform branch), in rank order. Push (M <= 8,
+  // where the inbox holds every rank's lead partials): each rank's lead warps store their partial
+  // straight into rank 0's inbox, one cluster barrier makes the stores visible, and only rank 0
+  // goes on. Pull (otherwise): every lead warp leaves its partial in its own `red` slot, rank 0
+  // reads the others' after a barrier, and a second barrier keeps their shared memory alive until
+  // it has. Measured (bench/RESULTS.md, session 24), the push's one barrier and no remote load
+  // made the 1.5B down projection (clusters of 2) 0.3 us faster alone, and the step 0.4-0.7%
+  // faster at 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4); 7B batch 1 has none.
   if (c > 1) {
 #if __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    if (lead) {
+    const int lead_slot = warp / wk;  // this lead warp's index among the block's wr
+    if (push) {
+      cluster_started_wait(c);
+      if (rank != 0 && lead) {
+        float* dst = cluster.map_shared_rank(&inbox[(rank - 1) * wr + lead_slot][0][0], 0);
+#pragma unroll
+        for (int i = 0; i < kSums; ++i) dst[i * 32 + lane] = r[i];
+      }
+    } else if (lead) {
+      // A lead warp only rewrites its own slot, which no other warp of its block reads.
 #pragma unroll
       for (int i = 0; i < kSums; ++i) red[warp][i][lane] = r[i];
     }
-    cluster.sync();  // every block's partials written and visible cluster-wide
+    cluster.sync();  // every rank's partials written and visible where rank 0 reads them
     if (rank == 0 && lead) {
       for (int q = 1; q < c; ++q) {
-        const float* remote = cluster.map_shared_rank(&red[warp][0][0], q);
+        const float* part = push ? &inbox[(q - 1) * wr + lead_slot][0][0]
+                                 : cluster.map_shared_rank(&red[warp][0][0], q);
 #pragma unroll
-        for (int i = 0; i < kSums; ++i) r[i] += remote[i * 32 + lane];
+        for (int i = 0; i < kSums; ++i) r[i] += part[i * 32 + lane];
       }
     }
-    cluster.sync();  // the other blocks' shared memory must outlive block 0's reads
+    if (!push) cluster.sync();  // the other blocks' shared memory must outlive rank 0's reads
     if (rank != 0) return;
 #else
     __trap();  // the host never picks c > 1 below sm_90
@@ -522,7 +544,10 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // step's graph replays timed (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md,
 // session 7). The kernel ahead and programmatic dependent launch change what is best: for example
 // the 1.5B down projection gains from cluster split-K (192 blocks instead of 96) in the step; alone
-// it gains only with prefetch_weight (plain calls lose). The wide ones are the best of `python -m
+// it gains only with prefetch_weight (plain calls lose). The 7B q/o M <= 4 entry is from the sweep
+// of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9% at 32K and batches 2 and
+// 4); with the cluster push that session, clusters of 4 won the 1.5B down and o projections at 1K
+// (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The wide ones are the best of `python -m
 // bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the cost model,
 // which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
 struct TunedShape {
@@ -539,7 +564,7 @@ constexpr TunedShape kTuned[] = {
     {1536, 8960, {1, 7, 2, 8}, {1, 7, 2, 8}, {1, 7, 2, 4}, {1, 6, 2, 8}, {1, 7, 2, 4}},  // down
     {151936, 1536, {1, 7, 1, 8}, {1, 6, 1, 8}, {2, 2, 1, 4}, {2, 2, 1, 4}, {2, 2, 1, 4}},  // lm_head
     // Qwen2.5-7B
-    {3584, 3584, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}},  // q, o
+    {3584, 3584, {1, 7, 1, 8}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}, {1, 7, 1, 4}},  // q, o
     {512, 3584, {1, 7, 2, 8}, {1, 7, 2, 8}, kModel, kModel, kModel},                     // k, v
     {4608, 3584, {1, 5, 1, 8}, {1, 4, 2, 4}, {1, 3, 2, 4}, {1, 3, 2, 4}, {1, 3, 2, 4}},  // qkv
     {37888, 3584, {1, 8, 1, 8}, {1, 4, 1, 4}, {1, 4, 1, 4}, {1, 3, 1, 4}, {1, 4, 1, 4}}, // gate|up

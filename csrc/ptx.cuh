@@ -1,6 +1,6 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, the tensor-core mma, and the
-// cp.async copies and warpgroup MMA (wgmma) of the batched GEMV.
+// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, the tensor-core mma, the
+// cp.async copies, the cluster start barrier, and the warpgroup MMA (wgmma) of the batched GEMV.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -112,6 +112,23 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// ---- thread-block clusters (sm_90): blocks that push into each other's shared memory ----
+// A block's shared memory may be written by another only once that block runs: each block of a
+// cluster of c > 1 arrives on the cluster barrier first thing (cluster_started_arrive) and waits on
+// it before its first store into another block (cluster_started_wait); by then the others have long
+// arrived. Used by decode_attention's cluster merge and the GEMV's cluster split-K.
+__device__ __forceinline__ void cluster_started_arrive(int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (c > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_started_wait(int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (c > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
 
