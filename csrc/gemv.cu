@@ -302,14 +302,15 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       }
     }
   }
-  // Sum the c blocks of the cluster into block 0 (grid-uniform branch), in rank order. Push (M <= 8,
+  // Sum the c blocks of the cluster into block 0 (grid-uniform branch), in rank order. Push (M <= 8
   // where the inbox holds every rank's lead partials): each rank's lead warps store their partial
   // straight into rank 0's inbox, one cluster barrier makes the stores visible, and only rank 0
   // goes on. Pull (otherwise): every lead warp leaves its partial in its own `red` slot, rank 0
   // reads the others' after a barrier, and a second barrier keeps their shared memory alive until
-  // it has. Measured (bench/RESULTS.md, session 24), the push's one barrier and no remote load
-  // made the 1.5B down projection (clusters of 2) 0.3 us faster alone, and the step 0.4-0.7%
-  // faster at 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4); 7B batch 1 has none.
+  // it has. Measured (bench/RESULTS.md, session 24): the push's one barrier and no remote load made
+  // the 1.5B down projection (clusters of 2) 0.3 us faster alone and the step 0.4-0.7% faster at
+  // 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4); 7B batch 1 has no cluster. The same
+  // build ran the 1.5B LM head alone 2% slower (111.9 against 109.7 us), which the step includes.
   if (c > 1) {
 #if __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -547,9 +548,9 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // it gains only with prefetch_weight (plain calls lose). The 7B q/o M <= 4 entry is from the sweep
 // of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9% at 32K and batches 2 and
 // 4); with the cluster push that session, clusters of 4 won the 1.5B down and o projections at 1K
-// (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The wide ones are the best of `python -m
-// bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the cost model,
-// which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
+// (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The wide ones are the best of
+// `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
+// cost model, which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
