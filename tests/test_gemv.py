@@ -209,8 +209,8 @@ def test_gemv_size1_strides_ignored():
 
 # Every variant of the kernel, forced: (wr, wk, c, u). Includes spare warps (wr > tiles left),
 # clusters of every size, k-ranges with no steps (wk * c > ceil(K / 32)), both unrolls, and both
-# cluster sums up to 8 rows: the push where (c - 1) * wr <= 8 (1,4,2,4, 2,2,4,8, 1,5,8,4, ...) and the
-# pull past it (8,1,8,8); the wide rows (16, 32) always pull.
+# cluster sums up to 8 rows: the push where (c - 1) * wr <= 8 (1,4,2,4, 2,2,4,8, 1,5,8,4, ...) and
+# the pull past it (8,1,8,8); the wide rows (16, 32) always pull.
 CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,4,2,4", "2,2,4,8",
            "1,5,8,4", "8,1,8,8", "1,8,8,4", "2,4,3,4"]
 
