@@ -182,6 +182,13 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // kRms: x . x^T of this warp's k-steps; lane (g, t) holds the diagonal entry of x row g in
   // element g & 1 when t == g / 2 (the 16x8 result's layout, as for d above; rows g + 8 unused).
   float ss[4] = {0.f, 0.f, 0.f, 0.f};
+  // kSpread (kRms with one row of x): the weights' mmas store only column n = 0, so the other
+  // lanes' x (B columns 1..7) may be anything. At unrolled position j lane (g, t) holds x's step
+  // s + (j + g) % U (lane g = 0: step s + j, as the product needs); position 0 then holds U
+  // different steps in rows g < U, and one pair of mmas puts the squares of the whole trip on the
+  // diagonal (rows g >= U zeroed), instead of a pair per step. The diagonal, each step once, is
+  // summed over the warp at the end.
+  constexpr bool kSpread = kRms && M == 1;
   // The wide variants: one accumulator set per block of 8 x rows (NB independent mma chains
   // already), x loaded one k-step at a time (NB loads, not U * NB, so the registers hold out).
   float accw[NB][4] = {};
@@ -207,13 +214,18 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     uint4 xv[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-      const int k = (s + j) * kStepK + t * 8;
-      const bool in = (s + j < s_end) && (k < K);
-      xv[j] = load16_cached(xg + k, in && xok);
+      const int js = kSpread ? (j + g) % U : j;  // the k-step whose x this lane holds at j
+      const int k = (s + js) * kStepK + t * 8;
+      const bool in = (s + js < s_end) && (k < K);
+      xv[j] = load16_cached(xg + k, in && (kSpread || xok));
     }
     // The squares first: x (from L1 or L2) arrives before the weights (from memory), so these
     // mmas run while the warp waits for the weights. Absent x vectors are zeros: they add nothing.
-    if constexpr (kRms) {
+    if constexpr (kSpread) {
+      const uint4 xa = g < U ? xv[0] : make_uint4(0u, 0u, 0u, 0u);  // each step's squares once
+      mma_bf16_16816(ss, xa.x, 0u, xa.y, 0u, xv[0].x, xv[0].y);
+      mma_bf16_16816(ss, xa.z, 0u, xa.w, 0u, xv[0].z, xv[0].w);
+    } else if constexpr (kRms) {
 #pragma unroll
       for (int j = 0; j < U; ++j) {
         mma_bf16_16816(ss, xv[j].x, 0u, xv[j].y, 0u, xv[j].x, xv[j].y);
@@ -281,6 +293,10 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   }
   if constexpr (kRms) {  // the diagonal: x row g's sum of squares in lane 4g + g/2, else 0
     r[kSums - 1] = t == g / 2 ? ((g & 1) ? ss[1] : ss[0]) : 0.f;
+  }
+  if constexpr (kSpread) {  // row 0's: the whole diagonal, in every lane
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) r[kSums - 1] += __shfl_xor_sync(0xffffffffu, r[kSums - 1], off);
   }
 
   // Sum the wk k-ranges of each tile in the block (block-uniform branch).
