@@ -113,24 +113,7 @@ constexpr TunedShape kTuned[] = {
     {152064, 3584, {1, 5, 1, 8}, {1, 8, 1, 8}, {2, 2, 1, 4}, {4, 2, 1, 4}, {4, 2, 1, 4}},  // lm_head
 };
 
-// The RMS-scale variant's own choice where it differs, at M <= 4: the extra x mmas change which
-// split of K keeps the most loads in flight. The 7B gate|up is from the step (scratch sweep, every
-// c = 1 configuration with the RMS scale forced into gate|up): 3.703 ms a step at 7B batch 1, 1K,
-// against 3.837 with the plain entry's {1, 8, 1, 8} and 3.733 with the norm in an rms_norm kernel,
-// in one run with live rows (the engine's choice at capture, with rows that append nothing, still
-// keeps the kernel there; bench/RESULTS.md, session 18).
-struct TunedRmsShape {
-  int64_t N, K;
-  GemvConfig m1;
-};
-constexpr TunedRmsShape kTunedRms[] = {
-    {37888, 3584, {1, 2, 1, 8}},  // Qwen2.5-7B gate|up
-};
-
-GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters, bool rms) {
-  for (const TunedRmsShape& t : kTunedRms) {
-    if (rms && M <= 4 && t.N == N && t.K == K && (clusters || t.m1.c == 1)) return t.m1;
-  }
+GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
   for (const TunedShape& t : kTuned) {
     const GemvConfig& cf = M <= 4 ? t.m1 : M <= 8 ? t.m8 : M <= 16 ? t.m16 : M <= 32 ? t.m32 : t.m64;
     if (t.N == N && t.K == K && cf.wr > 0 && (clusters || cf.c == 1)) return cf;
@@ -295,17 +278,18 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   const int sms = sm_count(device);
 
   // Every epilogue has as many tiles as gemv on all `rows` (kSiluMul: 8 gate + 8 up rows each), so
-  // all share gemv's configuration for the [rows, K] shape (and its summation order); the RMS scale
-  // may have its own (kTunedRms).
+  // all share gemv's configuration for the [rows, K] shape (and its summation order), with or
+  // without the RMS scale. (Session 18 gave the 7B gate|up with the RMS scale its own, (1,2,1,8):
+  // each of its squares' mmas per k-step cost (1,8,1,8) 3.6%. Since the squares of a whole trip
+  // take one pair of mmas at M = 1 (kSpread), (1,8,1,8) is 1.1% faster there; session 25.)
   GemvConfig cf{};
   if (!config_override(cf, rows, K, clusters)) {
     // One choice per shape; a thread_local map needs no lock.
-    thread_local std::map<std::array<int64_t, 5>, GemvConfig> chosen;
-    const bool rms = options.rms_eps.has_value();
-    const std::array<int64_t, 5> key{rows, K, M, device, rms};
+    thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
+    const std::array<int64_t, 4> key{rows, K, M, device};
     auto it = chosen.find(key);
     if (it == chosen.end()) {
-      it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters, rms)).first;
+      it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters)).first;
     }
     cf = it->second;
   }
