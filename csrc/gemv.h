@@ -1,6 +1,6 @@
-// The GEMV launcher shared by the ops built on decodex's GEMV kernel (csrc/gemv.cu): gemv,
+// The GEMV launcher shared by the ops built on decodex's GEMV kernel (csrc/gemv_kernel.cuh): gemv,
 // gemv_silu_mul (gemv.cu) and gemv_rope_append (rope_append.cu). Each op checks its own arguments
-// and picks an epilogue; the kernel, its configuration and the launch are gemv.cu's.
+// and picks an epilogue; the configuration and the launch are gemv.cu's.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cuda_bf16.h>
@@ -29,7 +29,7 @@ struct RopeAppendArgs {
 // The options every GEMV op takes (the schema arguments of the same names, see bindings.cpp).
 struct GemvOptions {
   // The kernel just before on the stream does not write the weight: the GEMV may load its first
-  // weights before that kernel has finished (see gemv.cu).
+  // weights before that kernel has finished (see gemv_kernel.cuh).
   bool prefetch_weight = false;
   // If set, each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the bias.
   std::optional<float> rms_eps;

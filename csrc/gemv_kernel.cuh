@@ -38,7 +38,9 @@
 //    mma per half step with x as both operands (A rows g = x row g, rows g + 8 zero) puts
 //    sum_k x[n,k]^2 on the diagonal of its 16x8 result. Those mmas depend only on x and are issued
 //    before the weights' mmas, so they run while the warp waits for its weights (FMAs on unpacked
-//    bf16 after the mmas lengthened each trip, measurably at K = 3584).
+//    bf16 after the mmas lengthened each trip, measurably at K = 3584). With one row of x the
+//    other lanes' x is free, so each lane holds another k-step of the trip and one pair of mmas
+//    squares the whole trip (kSpread below): 1.1% off the 7B step with the norm in gate|up.
 //    The diagonal is summed over the k-ranges with the dot products (same reduction, same order),
 //    so the norm costs no extra load, round trip or kernel; the epilogue scales each result before
 //    the bias. (An earlier prologue that normalised x first, one L2 round trip per block, was

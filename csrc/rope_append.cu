@@ -1,5 +1,6 @@
 // RoPE on q and k in place, then k and v appended to the KV cache, all rows in one launch. Also
-// gemv_rope_append (at the end): the merged qkv GEMV with this op in its epilogue (csrc/gemv.cu).
+// gemv_rope_append (at the end): the merged qkv GEMV with this op in its epilogue
+// (csrc/gemv_kernel.cuh).
 //
 // Idea: one block per batch row b. The block first computes cos/sin of the D/2 angles
 // float(positions[b]) * inv_freq[i] once into shared memory (fp32 multiply, precise sincosf, as
@@ -263,7 +264,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
 namespace decodex {
 
 // out[M, (H+2Hkv)*D] = x @ weight^T (+ bias) as gemv, then rope_append on its q|k|v rows: one kernel
-// (the GEMV with the kRopeAppend epilogue, csrc/gemv.cu), equal to the two ops bit for bit.
+// (the GEMV with the kRopeAppend epilogue, csrc/gemv_kernel.cuh), equal to the two ops bit for bit.
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
