@@ -40,7 +40,8 @@
 //    before the weights' mmas, so they run while the warp waits for its weights (FMAs on unpacked
 //    bf16 after the mmas lengthened each trip, measurably at K = 3584). With one row of x the
 //    other lanes' x is free, so each lane holds another k-step of the trip and one pair of mmas
-//    squares the whole trip (kSpread below): 1.1% off the 7B step with the norm in gate|up.
+//    squares the whole trip (kSpread below; session 25: the batch-1 steps 0.1-0.5% faster,
+//    and the 7B gate|up with the norm inside no longer needs a configuration of its own).
 //    The diagonal is summed over the k-ranges with the dot products (same reduction, same order),
 //    so the norm costs no extra load, round trip or kernel; the epilogue scales each result before
 //    the bias. (An earlier prologue that normalised x first, one L2 round trip per block, was
@@ -298,7 +299,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   }
   if constexpr (kSpread) {  // row 0's: the whole diagonal, in every lane
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) r[kSums - 1] += __shfl_xor_sync(0xffffffffu, r[kSums - 1], off);
+    for (int off = 16; off > 0; off >>= 1) {
+      r[kSums - 1] += __shfl_xor_sync(0xffffffffu, r[kSums - 1], off);
+    }
   }
 
   // Sum the wk k-ranges of each tile in the block (block-uniform branch).
@@ -510,6 +513,7 @@ GemvKernel kernel_for(int m, int u, GemvEpilogue epi, bool rms) {
   return rms ? kernel_for<kCluster, true>(m, u, epi) : kernel_for<kCluster, false>(m, u, epi);
 }
 
+// Instantiated in gemv_cluster.cu only.
 extern template GemvKernel kernel_for<true>(int m, int u, GemvEpilogue epi, bool rms);
 
 }  // namespace gemv_detail
