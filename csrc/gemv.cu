@@ -35,8 +35,9 @@ struct GemvConfig {
   int wr, wk, c, u;  // tiles per block, k-ranges per block, blocks per cluster, unroll
 };
 
-// Resident blocks per SM of the (M, U) kernel at `warps` warps per block; asked once, cached. (The
-// c = 1 instance's: the cluster instance has the same registers and shared memory.)
+// Resident blocks per SM of the (M, U) kernel at `warps` warps per block; asked once, cached. It
+// asks about the c = 1 instance also for clusters, whose instances may hold more registers (M = 1,
+// U = 4: 94 against 80): an estimate for the cost model and the first wave's L2 prefetch.
 int blocks_per_sm(int m, int u, int warps) {
   // Per kernel M: 1..8, then 16, 24, ..., 64 (slots 8..14). Zero-initialized: 0 = not asked yet.
   static std::atomic<int> cache[kMaxRows + kMaxRowsWide / 8 - 1][2][kMaxWarps + 1];
