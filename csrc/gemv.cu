@@ -89,7 +89,8 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // 4); with the cluster push that session, clusters of 4 won the 1.5B down and o projections at 1K
 // (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The 7B down M <= 4 entry is from
 // the sweep of session 25, after the c = 1 instances lost their cluster code (their registers fell,
-// (1,8,1,4) went from 2 to 3 blocks an SM and the step 2% slower). The wide ones are the best of
+// the old (1,8,1,4) went from 2 to 3 blocks an SM, and the step took 1% longer; (2,4,2,8) is 2.1%
+// faster than it). The wide ones are the best of
 // `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
 // cost model, which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
 struct TunedShape {
