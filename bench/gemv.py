@@ -8,8 +8,9 @@ first weights while the call before it runs), as the decode graph does; GB/s, % 
 speedup over cuBLAS are of the prefetch_weight calls. "cuBLASLt us" is F.linear with torch's
 preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two
 smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
-an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out += product) against the
-plain GEMV; all with prefetch_weight.
+an rms_norm kernel then the GEMV, beside the plain GEMV; accumulate (out += product) against the
+plain GEMV; and the LM heads' argmax inside the GEMV (argmax_out) against the GEMV then an argmax
+kernel (and cuBLAS then torch.argmax); all with prefetch_weight.
 
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
@@ -78,6 +79,21 @@ def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False, *
     return time_graph(calls, reps=reps)
 
 
+def _time_then_argmax(weights, M: int, cublas: bool = False) -> float:
+    """Per weight copy: the gemv (prefetch_weight), then decodex.argmax of its output (what
+    argmax_out replaces); cublas: F.linear then torch.argmax instead."""
+    xs, outs = _buffers(weights, M)
+    idx = torch.empty(M, device="cuda", dtype=torch.int64)
+
+    def call(i):
+        if cublas:
+            torch.argmax(F.linear(xs[i], weights[i]), dim=-1)
+        else:
+            torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True)
+            torch.ops.decodex.argmax(outs[i], idx)
+    return time_graph([lambda i=i: call(i) for i in range(len(weights))])
+
+
 def _time_rms_norm_then_gemv(weights, M: int) -> float:
     """Per weight copy: an rms_norm kernel, then the gemv of its output (what rms_eps replaces)."""
     xs, outs = _buffers(weights, M)
@@ -96,15 +112,19 @@ NORM_TITLE = "gemv RMS norm: rms_norm + gemv vs gemv(rms_eps), beside plain gemv
 NORM_HEADERS = ["shape", "gemv us", "rms_norm + gemv us", "rms_eps us", "saved us"]
 ACC_TITLE = "gemv accumulate: plain vs accumulate=True (out += product), prefetch_weight, L2-cold, median"
 ACC_HEADERS = ["shape", "gemv us", "accumulate us"]
+ARGMAX_SHAPES = ("lm_head",)  # the product the greedy decode step takes its tokens from
+ARGMAX_TITLE = ("gemv argmax: gemv + argmax kernel vs gemv(argmax_out), beside plain gemv and cuBLAS + "
+                "torch.argmax, prefetch_weight, L2-cold, median")
+ARGMAX_HEADERS = ["shape", "gemv us", "gemv + argmax us", "argmax_out us", "saved us", "cuBLAS + torch.argmax us"]
 
 
-def fused_rows() -> tuple[list[list], list[list]]:
-    """The RMS-norm and accumulate tables."""
+def fused_rows() -> tuple[list[list], list[list], list[list]]:
+    """The RMS-norm, accumulate and argmax tables."""
     import decodex  # noqa: F401
 
-    norm, acc = [], []
+    norm, acc, arg = [], [], []
     for model, name, N, K in SHAPES:
-        if name not in NORM_SHAPES + ACCUMULATE_SHAPES:
+        if name not in NORM_SHAPES + ACCUMULATE_SHAPES + ARGMAX_SHAPES:
             continue
         weights = _stack(N, K)
         for M in (1, 8):
@@ -114,11 +134,16 @@ def fused_rows() -> tuple[list[list], list[list]]:
                 two, one = _time_rms_norm_then_gemv(weights, M), _time_ours(weights, M, prefetch_weight=True,
                                                                            rms_eps=1e-6)
                 norm.append([label, plain, two, one, two - one])
+            elif name in ARGMAX_SHAPES:
+                idx = torch.empty(M, device="cuda", dtype=torch.int64)
+                two = _time_then_argmax(weights, M)
+                one = _time_ours(weights, M, prefetch_weight=True, argmax_out=idx)
+                arg.append([label, plain, two, one, two - one, _time_then_argmax(weights, M, cublas=True)])
             else:
                 acc.append([label, plain, _time_ours(weights, M, prefetch_weight=True, accumulate=True)])
         del weights
         torch.cuda.empty_cache()
-    return norm, acc
+    return norm, acc, arg
 
 
 def _time_cublas(weights, M: int, plan: str = "cublas") -> float:
@@ -230,9 +255,10 @@ def main(argv=None) -> None:
     print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only))
     if ms is not None or args.only:
         return
-    norm, acc = fused_rows()
+    norm, acc, arg = fused_rows()
     print_table(NORM_TITLE, NORM_HEADERS, norm)
     print_table(ACC_TITLE, ACC_HEADERS, acc)
+    print_table(ARGMAX_TITLE, ARGMAX_HEADERS, arg)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,12 @@ TORCH_LIBRARY(decodex, m) {
   // rms_eps (all three GEMV ops): each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) +
   // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
   // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias
-  // included), the product rounded to bf16 first. x must not overlap out.
+  // included), the product rounded to bf16 first. x must not overlap out. argmax_out (int64 [M],
+  // M <= 8, accumulate False): also argmax_out[m] = argmax(out[m, :]) as decodex.argmax takes it
+  // (ties to the lowest index, NaN largest), inside the GEMV (no second kernel); one such call in
+  // flight per device at a time.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, bool accumulate=False) -> ()");
+        "float? rms_eps=None, bool accumulate=False, Tensor(b!)? argmax_out=None) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
   // gemv_silu_mul_max_rows(x's device).

@@ -25,15 +25,16 @@ using OptT = std::optional<T>;
 
 using OptD = std::optional<double>;
 
-// prefetch_weight, rms_eps, accumulate: see the schemas in csrc/bindings.cpp (the weight is not
-// written by the kernel just before this one on the stream; each product row is scaled by
-// 1/rms(x row); out += the product).
+// prefetch_weight, rms_eps, accumulate, argmax_out: see the schemas in csrc/bindings.cpp (the
+// weight is not written by the kernel just before this one on the stream; each product row is
+// scaled by 1/rms(x row); out += the product; the argmax of each row of out).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
                  bool prefetch_weight = false, OptD rms_eps = std::nullopt,
-                 bool accumulate = false) {
-  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool)>(
-      "decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate);
+                 bool accumulate = false, const OptT& argmax_out = std::nullopt) {
+  static auto h =
+      detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, const OptT&)>(
+          "decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, argmax_out);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,

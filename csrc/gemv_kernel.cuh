@@ -74,6 +74,7 @@
 
 #include "common.h"
 #include "gemv.h"
+#include "logits.cuh"
 #include "ptx.cuh"
 
 namespace decodex {
@@ -96,6 +97,7 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 //  * kRopeAppend (weight = [q heads | k heads | v heads] x D rows): tile j of a q or k head pairs
 //    rows 8j .. 8j+7 of the head with rows D/2 + 8j .. (the RoPE pairs, D/16 tiles per head); v
 //    rows are plain 16-row tiles. Same tile count as kStore.
+//  * kArgmax: kStore's tiles (see argmax_tile below for the argmax).
 // Before griddepcontrol.wait each warp of the first wave of blocks (blockIdx < prefetch_blocks, the
 // blocks resident at once) asks L2 for its first round of weight rows (lanes 0-15, one row each):
 // the weights do not depend on the kernel before, so their first DRAM round trip overlaps that
@@ -107,6 +109,44 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
+// kArgmax: the argmax of each row of the product, folded into the store (the decode step's LM head,
+// so the step needs no argmax kernel after it: its launch, wait and 300 KB re-read). Each tile's
+// lead warp makes the argmax key (logits.cuh) of every bf16 value it stores, takes the max over its
+// rows, max-reduces it into g_argmax_key[m] in L2 (red.max) and counts its tile done; the warp
+// that counts the last tile reads the keys back (after a fence), writes argmax_out and leaves the
+// keys and the count at zero for the next launch. So one launch at a time per device: two argmax
+// GEMVs running at once on different streams would share the state (argmax.cu has the same rule).
+// The state is this translation unit's: only gemv.cu has kArgmax instances (c = 1).
+namespace {
+__device__ u64 g_argmax_key[kMaxRows];
+__device__ unsigned g_argmax_tiles_done;
+}  // namespace
+
+// best[e]: this lane's key of x row 2t + e over its rows (0 for none). Called by a whole lead warp.
+__device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tiles, int64_t* argmax_out,
+                                            int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {  // over g: lanes 0-3 then hold the tile's keys
+#pragma unroll
+    for (int e = 0; e < 2; ++e) best[e] = Max{}(best[e], __shfl_xor_sync(0xffffffffu, best[e], off));
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (2 * t + e < M) atomicMax(&g_argmax_key[2 * t + e], best[e]);
+    }
+    __threadfence();  // the keys are in before the count says so
+  }
+  __syncwarp();
+  unsigned done = 0;
+  if (lane == 0) done = atomicAdd(&g_argmax_tiles_done, 1u);
+  if (__shfl_sync(0xffffffffu, done, 0) != static_cast<unsigned>(tiles - 1)) return;
+  __threadfence();  // every other tile's keys are visible
+  if (lane < M) argmax_out[lane] = argmax_key_index(atomicExch(&g_argmax_key[lane], u64{0}));
+  if (lane == 0) g_argmax_tiles_done = 0;
+}
+
 template <int M, int U, int kEpi, bool kRms, bool kCluster>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
@@ -115,9 +155,13 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope,
+            int64_t* __restrict__ argmax_out,  // [M] (kArgmax)
+            int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
+  constexpr bool kArgmax = kEpi == static_cast<int>(GemvEpilogue::kArgmax);
+  static_assert(!kArgmax || !kCluster, "kArgmax's state is gemv.cu's: c = 1 instances only");
   // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
   // variants (M a multiple of 8 up to 64, kStore without RMS), which take their real row count
   // from m_rows (<= M; rows past it are zeros in, nothing out).
@@ -440,6 +484,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       }
     }
   } else {
+    u64 best[2] = {0, 0};  // kArgmax: the keys of x rows 2t, 2t + 1 (accumulate is refused there)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = i >= 2 ? row1 : row0;
@@ -448,8 +493,10 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
         float v = stored(i, row);
         if (accumulate) v = __fadd_rn(__bfloat162float(__ushort_as_bfloat16(old_out[i])), v);  // out += it
         out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
+        if constexpr (kArgmax) best[i & 1] = Max{}(best[i & 1], argmax_key(v, static_cast<unsigned>(row)));
       }
     }
+    if constexpr (kArgmax) argmax_tile(best, M, (N + kTileRows - 1) / kTileRows, argmax_out, lane);
   }
 #else
   pdl_begin();
@@ -461,7 +508,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs, int);
+                            int, bool, float, bool, const RopeAppendArgs, int64_t*, int);
 
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 inline int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }
@@ -497,6 +544,13 @@ GemvKernel kernel_for(int m, int u) {
 template <bool kCluster, bool kRms>
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
   switch (epi) {
+    case GemvEpilogue::kArgmax:
+      if constexpr (kCluster) {
+        DX_CHECK(false, "decodex::gemv: argmax_out has no cluster (c > 1) kernel");
+        return nullptr;
+      } else {
+        return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kArgmax), kRms>(m, u);
+      }
     case GemvEpilogue::kSiluMul:
       return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kSiluMul), kRms>(m, u);
     case GemvEpilogue::kRopeAppend:

@@ -6,7 +6,8 @@
 namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
+          const std::optional<at::Tensor>& argmax_out);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps);
 int64_t gemv_silu_mul_max_rows(int64_t device);

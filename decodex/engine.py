@@ -7,7 +7,8 @@ One decode step for a batch of rows is a fixed sequence of kernels on preallocat
     in its epilogue) -> decode_attention (over the device-side length) -> o gemv adding into the
     residual (accumulate) -> gemv_silu_mul (the gate|up gemv of the RMS-normalised residual, SiLU*up
     in its epilogue) -> down gemv adding into the residual] -> rms_norm (final norm) -> lm_head gemv
-    -> argmax | sample -> advance_positions
+    (greedy, up to 8 rows a call: the argmax in its epilogue, gemv's argmax_out) -> argmax | sample
+    -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -82,6 +83,7 @@ S cache capacity, T prompt tokens.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections import deque
@@ -624,14 +626,21 @@ class CudaGraphRunner(HostLoop):
             ops.rms_norm(residual, weight, self.eps, hidden)
         return hidden, None
 
-    def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
+    def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None, argmax_out=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
-        rms_eps is given (gemv8 only)."""
+        rms_eps is given (gemv8 only); argmax_out[r] = the argmax of out[r] (gemv8 only)."""
         if self._plan(n, name) in BLAS_PLANS:
             self._blas(n, name, x, w, b, out, accumulate=False)
             return
         for s in self._gemv_rows(n, name):
-            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
+            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps,
+                                   argmax_out=None if argmax_out is None else argmax_out[s])
+
+    def _argmax_in_gemv(self, n: int) -> bool:
+        """Whether the greedy step takes its tokens from the LM head GEMV (gemv's argmax_out) rather
+        than an argmax kernel after it: wherever the LM head runs on decodex's GEMVs over 8-row
+        chunks. DECODEX_ARGMAX_IN_GEMV=0 keeps the argmax kernel (A/B runs; read at capture)."""
+        return self._plan(n, "lm_head") == "gemv8" and os.environ.get("DECODEX_ARGMAX_IN_GEMV") != "0"
 
     def _blas(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
         """out (+)= x @ w^T (+ b) by a BLAS plan: torch (cuBLAS, or cuBLASLt by blas_library) or
@@ -766,10 +775,11 @@ class CudaGraphRunner(HostLoop):
             self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)
             self._add_product(n, "down", act, layer.down_w, None)
         x, _ = self._normed(n, "lm_head", m.final_norm)
-        self._linear(n, "lm_head", x, m.lm_head, None, logits)
-        if greedy:
+        fused_argmax = greedy and self._argmax_in_gemv(n)
+        self._linear(n, "lm_head", x, m.lm_head, None, logits, argmax_out=tokens if fused_argmax else None)
+        if greedy and not fused_argmax:
             ops.argmax(logits, tokens)
-        else:
+        elif not greedy:
             ops.sample(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
                        positions, tokens)
         ops.advance_positions(positions, lengths)
