@@ -9,8 +9,9 @@ speedup over cuBLAS are of the prefetch_weight calls. "cuBLASLt us" is F.linear 
 preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two
 smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
 an rms_norm kernel then the GEMV, beside the plain GEMV; accumulate (out += product) against the
-plain GEMV; and the LM heads' argmax inside the GEMV (argmax_out) against the GEMV then an argmax
-kernel (and cuBLAS then torch.argmax); all with prefetch_weight.
+plain GEMV; and the greedy step's tail at the LM heads, the GEMV then argmax then advance_positions,
+against the argmax begun in the GEMV (argmax_keys) and finished by advance_positions (and cuBLAS then
+torch.argmax); all with prefetch_weight.
 
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
@@ -79,18 +80,28 @@ def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False, *
     return time_graph(calls, reps=reps)
 
 
-def _time_then_argmax(weights, M: int, cublas: bool = False) -> float:
-    """Per weight copy: the gemv (prefetch_weight), then decodex.argmax of its output (what
-    argmax_out replaces); cublas: F.linear then torch.argmax instead."""
+def _time_step_tail(weights, M: int, how: str) -> float:
+    """Per weight copy, the greedy decode step's tail on x: how = "kernel": gemv (prefetch_weight),
+    decodex.argmax, advance_positions; "keys": gemv with argmax_keys, then advance_positions
+    finishing the argmax from them; "cublas": F.linear then torch.argmax."""
+    from decodex.engine import ARGMAX_SLOTS
+
     xs, outs = _buffers(weights, M)
     idx = torch.empty(M, device="cuda", dtype=torch.int64)
+    keys = torch.zeros(M, ARGMAX_SLOTS, device="cuda", dtype=torch.int64)
+    pos, lens = torch.zeros(M, device="cuda", dtype=torch.int32), torch.zeros(M, device="cuda", dtype=torch.int32)
+    ops = torch.ops.decodex
 
     def call(i):
-        if cublas:
+        if how == "cublas":
             torch.argmax(F.linear(xs[i], weights[i]), dim=-1)
+        elif how == "kernel":
+            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True)
+            ops.argmax(outs[i], idx)
+            ops.advance_positions(pos, lens)
         else:
-            torch.ops.decodex.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True)
-            torch.ops.decodex.argmax(outs[i], idx)
+            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True, argmax_keys=keys)
+            ops.advance_positions(pos, lens, argmax_keys=keys, tokens=idx)
     return time_graph([lambda i=i: call(i) for i in range(len(weights))])
 
 
@@ -113,9 +124,10 @@ NORM_HEADERS = ["shape", "gemv us", "rms_norm + gemv us", "rms_eps us", "saved u
 ACC_TITLE = "gemv accumulate: plain vs accumulate=True (out += product), prefetch_weight, L2-cold, median"
 ACC_HEADERS = ["shape", "gemv us", "accumulate us"]
 ARGMAX_SHAPES = ("lm_head",)  # the product the greedy decode step takes its tokens from
-ARGMAX_TITLE = ("gemv argmax: gemv + argmax kernel vs gemv(argmax_out), beside plain gemv and cuBLAS + "
-                "torch.argmax, prefetch_weight, L2-cold, median")
-ARGMAX_HEADERS = ["shape", "gemv us", "gemv + argmax us", "argmax_out us", "saved us", "cuBLAS + torch.argmax us"]
+ARGMAX_TITLE = ("greedy step tail: gemv + argmax + advance_positions vs gemv(argmax_keys) + advance_positions"
+                "(argmax_keys), beside plain gemv and cuBLAS + torch.argmax, prefetch_weight, L2-cold, median")
+ARGMAX_HEADERS = ["shape", "gemv us", "+ argmax + advance us", "argmax_keys + advance us", "saved us",
+                  "cuBLAS + torch.argmax us"]
 
 
 def fused_rows() -> tuple[list[list], list[list], list[list]]:
@@ -135,10 +147,8 @@ def fused_rows() -> tuple[list[list], list[list], list[list]]:
                                                                            rms_eps=1e-6)
                 norm.append([label, plain, two, one, two - one])
             elif name in ARGMAX_SHAPES:
-                idx = torch.empty(M, device="cuda", dtype=torch.int64)
-                two = _time_then_argmax(weights, M)
-                one = _time_ours(weights, M, prefetch_weight=True, argmax_out=idx)
-                arg.append([label, plain, two, one, two - one, _time_then_argmax(weights, M, cublas=True)])
+                three, two = _time_step_tail(weights, M, "kernel"), _time_step_tail(weights, M, "keys")
+                arg.append([label, plain, three, two, three - two, _time_step_tail(weights, M, "cublas")])
             else:
                 acc.append([label, plain, _time_ours(weights, M, prefetch_weight=True, accumulate=True)])
         del weights

@@ -151,7 +151,7 @@ bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
   DX_CHECK(cf.wr >= 1 && cf.wk >= 1 && cf.wr * cf.wk <= kMaxWarps && cf.c >= 1 &&
                cf.c <= kMaxCluster && (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1),
            "DECODEX_GEMV_CONFIG=\"", std::getenv("DECODEX_GEMV_CONFIG"), "\": need wr*wk <= ",
-           kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90 and with argmax_out), u in {4, 8}");
+           kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
   return true;
 }
 
@@ -276,8 +276,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   const int device = x.get_device();
   const int cc_major = device_attribute<cudaDevAttrComputeCapabilityMajor>(device);
   DX_CHECK(cc_major >= 8, "decodex::gemv needs a GPU of compute capability 8.0 or newer");
-  // kArgmax has c = 1 instances only (its state is gemv.cu's, see gemv_kernel.cuh).
-  const bool clusters = cc_major >= 9 && epilogue != GemvEpilogue::kArgmax;
+  const bool clusters = cc_major >= 9;
   const int sms = sm_count(device);
 
   // Every epilogue has as many tiles as gemv on all `rows` (kSiluMul: 8 gate + 8 up rows each), so
@@ -288,8 +287,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   GemvConfig cf{};
   if (!config_override(cf, rows, K, clusters)) {
     // One choice per shape; a thread_local map needs no lock.
-    thread_local std::map<std::array<int64_t, 5>, GemvConfig> chosen;
-    const std::array<int64_t, 5> key{rows, K, M, device, clusters};
+    thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
+    const std::array<int64_t, 4> key{rows, K, M, device};
     auto it = chosen.find(key);
     if (it == chosen.end()) {
       it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters)).first;
@@ -316,7 +315,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
       options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope,
-      options.argmax_out, static_cast<int>(M));
+      options.argmax, static_cast<int>(M));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -328,7 +327,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          const std::optional<at::Tensor>& argmax_out) {
+          const std::optional<at::Tensor>& argmax_keys) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -337,32 +336,35 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   GemvOptions options = gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
-  if (argmax_out.has_value()) {
-    const at::Tensor& a = *argmax_out;  // checked by hand: the messages must say "argmax_out"
-    DX_CHECK(a.is_cuda() && a.device() == x.device(), "argmax_out must be on x's device ",
+  GemvEpilogue epilogue = GemvEpilogue::kStore;
+  if (argmax_keys.has_value()) {
+    const at::Tensor& a = *argmax_keys;  // checked by hand: the messages must say "argmax_keys"
+    DX_CHECK(a.is_cuda() && a.device() == x.device(), "argmax_keys must be on x's device ",
              x.device(), ", got ", a.device());
-    DX_CHECK(a.scalar_type() == at::kLong, "argmax_out must have dtype ", at::kLong, ", got ",
+    DX_CHECK(a.scalar_type() == at::kLong, "argmax_keys must have dtype ", at::kLong, ", got ",
              a.scalar_type());
-    DX_CHECK(a.dim() == 1 && a.size(0) == M && (M == 1 || a.stride(0) == 1),
-             "argmax_out must be a contiguous [M] = [", M, "] tensor, got shape ", a.sizes(),
-             " and strides ", a.strides());
-    DX_CHECK(M <= kMaxRows, "decodex::gemv: argmax_out needs M <= ", kMaxRows, " rows of x, got x ",
-             "of shape ", x.sizes(), " (use decodex.argmax on out for larger batches)");
-    DX_CHECK(!accumulate, "decodex::gemv: argmax_out needs accumulate=False (it takes the argmax ",
-             "of the product as stored)");
-    DX_CHECK(N >= 1, "decodex::gemv: argmax_out needs N >= 1 (weight.size(0)), got ", N);
+    DX_CHECK(a.dim() == 2 && a.size(0) == M && a.size(1) >= 1 && a.size(1) <= (int64_t{1} << 30),
+             "argmax_keys must have shape [M, slots] = [", M, ", >= 1], got ", a.sizes());
+    DX_CHECK((a.size(1) == 1 || a.stride(1) == 1) && (M == 1 || a.stride(0) >= a.size(1)),
+             "argmax_keys must have a contiguous last dim and rows that do not overlap, got strides ",
+             a.strides(), " for shape ", a.sizes());
+    DX_CHECK(M <= kMaxRows, "decodex::gemv: argmax_keys needs M <= ", kMaxRows, " rows of x, got ",
+             "x of shape ", x.sizes(), " (use decodex.argmax on out for larger batches)");
+    DX_CHECK(!accumulate, "decodex::gemv: argmax_keys needs accumulate=False (the keys are of ",
+             "the product as stored)");
     DX_CHECK(!spans_overlap(a, out) && !spans_overlap(a, x) && !spans_overlap(a, weight),
-             "decodex::gemv: argmax_out must not overlap x, weight or out");
-    options.argmax_out = a.data_ptr<int64_t>();
-    launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kArgmax, options);
-    return;
+             "decodex::gemv: argmax_keys must not overlap x, weight or out");
+    DX_CHECK(N >= 1, "decodex::gemv: argmax_keys needs N >= 1 (weight.size(0)), got ", N);
+    options.argmax = {reinterpret_cast<unsigned long long*>(a.data_ptr<int64_t>()),
+                      M == 1 ? 0 : a.stride(0), static_cast<int>(a.size(1))};
+    epilogue = GemvEpilogue::kArgmax;  // M <= 8: never the wgmma kernel
   }
   if (N == 0) return;
-  if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
+  if (epilogue == GemvEpilogue::kStore && gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
     return;
   }
-  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
+  launch_gemv("gemv", x, weight, bias_ptr, out, epilogue, options);
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,

@@ -97,7 +97,7 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 //  * kRopeAppend (weight = [q heads | k heads | v heads] x D rows): tile j of a q or k head pairs
 //    rows 8j .. 8j+7 of the head with rows D/2 + 8j .. (the RoPE pairs, D/16 tiles per head); v
 //    rows are plain 16-row tiles. Same tile count as kStore.
-//  * kArgmax: kStore's tiles (see argmax_tile below for the argmax).
+//  * kArgmax: kStore's tiles; each row's argmax partly reduced into the caller's keys (argmax_tile).
 // Before griddepcontrol.wait each warp of the first wave of blocks (blockIdx < prefetch_blocks, the
 // blocks resident at once) asks L2 for its first round of weight rows (lanes 0-15, one row each):
 // the weights do not depend on the kernel before, so their first DRAM round trip overlaps that
@@ -109,21 +109,15 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
-// kArgmax: the argmax of each row of the product, folded into the store (the decode step's LM head,
-// so the step needs no argmax kernel after it: its launch, wait and 300 KB re-read). Each tile's
-// lead warp makes the argmax key (logits.cuh) of every bf16 value it stores, takes the max over its
-// rows, max-reduces it into g_argmax_key[m] in L2 (red.max) and counts its tile done; the warp
-// that counts the last tile reads the keys back (after a fence), writes argmax_out and leaves the
-// keys and the count at zero for the next launch. So one launch at a time per device: two argmax
-// GEMVs running at once on different streams would share the state (argmax.cu has the same rule).
-// The state is this translation unit's: only gemv.cu has kArgmax instances (c = 1).
-namespace {
-__device__ u64 g_argmax_key[kMaxRows];
-__device__ unsigned g_argmax_tiles_done;
-}  // namespace
-
+// kArgmax: each row's argmax, reduced as far as one kernel can without a hand-off between blocks.
+// Each tile's lead warp makes the argmax key (logits.cuh) of every bf16 value it stores, takes the
+// max over its 16 rows and max-reduces it into slot tile % slots of the caller's keys row
+// (red.max.u64: no return value, so the warp does not wait for it). A last-block hand-off (a fence
+// and a counter a tile) made the 1.5B LM head 25% slower (134 against 107 us, bench/RESULTS.md,
+// session 26): its 9496 blocks live about 3 us each, and the round trips ran in every one of them.
+// Whoever reads the keys next (advance_positions in the decode step) takes the max over the slots.
 // best[e]: this lane's key of x row 2t + e over its rows (0 for none). Called by a whole lead warp.
-__device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tiles, int64_t* argmax_out,
+__device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tile, const ArgmaxKeys& keys,
                                             int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -134,17 +128,10 @@ __device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tiles, in
   if (g == 0) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      if (2 * t + e < M) atomicMax(&g_argmax_key[2 * t + e], best[e]);
+      const int n = 2 * t + e;
+      if (n < M) atomicMax(keys.keys + static_cast<int64_t>(n) * keys.ld + tile % keys.slots, best[e]);
     }
-    __threadfence();  // the keys are in before the count says so
   }
-  __syncwarp();
-  unsigned done = 0;
-  if (lane == 0) done = atomicAdd(&g_argmax_tiles_done, 1u);
-  if (__shfl_sync(0xffffffffu, done, 0) != static_cast<unsigned>(tiles - 1)) return;
-  __threadfence();  // every other tile's keys are visible
-  if (lane < M) argmax_out[lane] = argmax_key_index(atomicExch(&g_argmax_key[lane], u64{0}));
-  if (lane == 0) g_argmax_tiles_done = 0;
 }
 
 template <int M, int U, int kEpi, bool kRms, bool kCluster>
@@ -155,13 +142,11 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope,
-            int64_t* __restrict__ argmax_out,  // [M] (kArgmax)
+            float rms_eps, bool accumulate, const RopeAppendArgs rope, const ArgmaxKeys argmax,
             int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
   constexpr bool kArgmax = kEpi == static_cast<int>(GemvEpilogue::kArgmax);
-  static_assert(!kArgmax || !kCluster, "kArgmax's state is gemv.cu's: c = 1 instances only");
   // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
   // variants (M a multiple of 8 up to 64, kStore without RMS), which take their real row count
   // from m_rows (<= M; rows past it are zeros in, nothing out).
@@ -496,7 +481,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
         if constexpr (kArgmax) best[i & 1] = Max{}(best[i & 1], argmax_key(v, static_cast<unsigned>(row)));
       }
     }
-    if constexpr (kArgmax) argmax_tile(best, M, (N + kTileRows - 1) / kTileRows, argmax_out, lane);
+    if constexpr (kArgmax) argmax_tile(best, M, tile, argmax, lane);
   }
 #else
   pdl_begin();
@@ -508,7 +493,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs, int64_t*, int);
+                            int, bool, float, bool, const RopeAppendArgs, const ArgmaxKeys, int);
 
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 inline int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }
@@ -545,12 +530,7 @@ template <bool kCluster, bool kRms>
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
   switch (epi) {
     case GemvEpilogue::kArgmax:
-      if constexpr (kCluster) {
-        DX_CHECK(false, "decodex::gemv: argmax_out has no cluster (c > 1) kernel");
-        return nullptr;
-      } else {
-        return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kArgmax), kRms>(m, u);
-      }
+      return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kArgmax), kRms>(m, u);
     case GemvEpilogue::kSiluMul:
       return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kSiluMul), kRms>(m, u);
     case GemvEpilogue::kRopeAppend:
