@@ -4,16 +4,19 @@
 // With argmax_keys (the greedy step's LM head GEMV left each row's argmax keys there, gemv's
 // argmax_keys) it first finishes that argmax: tokens[b] = the index of row b's largest key (-1 if
 // every key is 0, i.e. nothing was reduced into the row), and zeroes the keys for the next step.
-// Idea: one warp per row (B is at most a few hundred, the slots a few dozen); lane 0 advances.
+// Idea: one thread per row (B is at most a few hundred); with keys, one block per row, whose
+// thread 0 then advances it.
 #include "common.h"
 #include "logits.cuh"
 #include "ops.h"
 
 namespace decodex {
 
-constexpr int kAdvanceWarps = 4;
+constexpr int kAdvanceThreads = 128;
 
-__global__ void __launch_bounds__(kAdvanceWarps * 32)
+// Grid: without keys, one thread per row; with keys, one block per row (the keys of a row: 8 KB in
+// the decode step, 8 loads a thread).
+__global__ void __launch_bounds__(kAdvanceThreads)
 advance_positions_kernel(int* __restrict__ positions,  // [B]
                          int* __restrict__ lengths,    // [B]
                          int64_t B,
@@ -21,20 +24,32 @@ advance_positions_kernel(int* __restrict__ positions,  // [B]
                          int64_t ldk, int slots,
                          int64_t* __restrict__ tokens) {  // [B] (with keys)
   pdl_begin();
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * kAdvanceWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (b >= B) return;
+  int64_t b = static_cast<int64_t>(blockIdx.x) * kAdvanceThreads + threadIdx.x;
   if (keys != nullptr) {
+    __shared__ u64 scratch[32];
+    constexpr int kBatch = 4;  // loads in flight a thread
+    b = blockIdx.x;
     u64* row = keys + b * ldk;
     u64 best = 0;
-    for (int j = lane; j < slots; j += 32) {
-      best = Max{}(best, row[j]);
-      row[j] = 0;
+    for (int j0 = threadIdx.x; j0 < slots; j0 += kBatch * kAdvanceThreads) {
+      u64 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u * kAdvanceThreads;
+        v[u] = j < slots ? row[j] : u64{0};
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u * kAdvanceThreads;
+        if (j < slots) row[j] = 0;
+        best = Max{}(best, v[u]);
+      }
     }
-    best = warp_reduce(best, Max{});
-    if (lane == 0) tokens[b] = best == 0 ? -1 : argmax_key_index(best);
+    best = block_max_u64(best, scratch);
+    if (threadIdx.x != 0) return;
+    tokens[b] = best == 0 ? -1 : argmax_key_index(best);
   }
-  if (lane != 0) return;
+  if (b >= B) return;
   const int p = positions[b];
   if (p < 0) return;
   positions[b] = p + 1;
@@ -91,9 +106,10 @@ void advance_positions(at::Tensor& positions, at::Tensor& lengths,
   }
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(positions.device());
-  const cudaError_t err = launch_pdl(advance_positions_kernel,
-                                     dim3(static_cast<unsigned>((B + kAdvanceWarps - 1) / kAdvanceWarps)),
-                                     dim3(kAdvanceWarps * 32), 0, current_stream(),
+  const int64_t blocks = keys != nullptr ? B : (B + kAdvanceThreads - 1) / kAdvanceThreads;
+  DX_CHECK(blocks <= 0x7fffffff, "advance_positions: B = ", B, " rows is more than one grid holds");
+  const cudaError_t err = launch_pdl(advance_positions_kernel, dim3(static_cast<unsigned>(blocks)),
+                                     dim3(kAdvanceThreads), 0, current_stream(),
                                      positions.data_ptr<int>(), lengths.data_ptr<int>(), B, keys, ldk,
                                      slots, tok);
   DX_CHECK_LAUNCHED(err, "advance_positions");

@@ -115,7 +115,10 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 // (red.max.u64: no return value, so the warp does not wait for it). A last-block hand-off (a fence
 // and a counter a tile) made the 1.5B LM head 25% slower (134 against 107 us, bench/RESULTS.md,
 // session 26): its 9496 blocks live about 3 us each, and the round trips ran in every one of them.
-// Whoever reads the keys next (advance_positions in the decode step) takes the max over the slots.
+// The reds to one cache line queue at its L2 slice, so the keys must span many lines: the decode
+// step gives each row 1024 slots (64 lines; with 64 slots, 4 lines, the 1.5B LM head took 112 us in
+// the step against 107). Whoever reads the keys next (advance_positions in the decode step) takes
+// the max over the slots.
 // best[e]: this lane's key of x row 2t + e over its rows (0 for none). Called by a whole lead warp.
 __device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tile, const ArgmaxKeys& keys,
                                             int lane) {

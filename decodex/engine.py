@@ -123,9 +123,10 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 PLAN_CONTEXT = 1024
 PLAN_MARGIN = 0.005
 # Slots of each row's argmax keys in the LM head GEMV (tile j of the product reduces into slot
-# j % ARGMAX_SLOTS): enough that the red.max of the 1.5B head's 9496 tiles do not queue on one
-# address, few enough for one warp of advance_positions to read.
-ARGMAX_SLOTS = 64
+# j % ARGMAX_SLOTS): 64 cache lines of 16 keys, so that the red.max of the 1.5B head's 9496 tiles
+# queue about 150 deep on each line. With 64 slots (4 lines) the head took 112.4 us in the step
+# against 107 (bench/RESULTS.md, session 26). advance_positions reads the 8 KB a row back.
+ARGMAX_SLOTS = 1024
 
 
 def check_plans(plans) -> tuple[str, ...]:
