@@ -8,10 +8,8 @@ first weights while the call before it runs), as the decode graph does; GB/s, % 
 speedup over cuBLAS are of the prefetch_weight calls. "cuBLASLt us" is F.linear with torch's
 preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two
 smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
-an rms_norm kernel then the GEMV, beside the plain GEMV; accumulate (out += product) against the
-plain GEMV; and the greedy step's tail at the LM heads, the GEMV then argmax then advance_positions,
-against the argmax begun in the GEMV (argmax_keys) and finished by advance_positions (and cuBLAS then
-torch.argmax); all with prefetch_weight.
+an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out += product) against the
+plain GEMV; all with prefetch_weight.
 
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
@@ -80,31 +78,6 @@ def _time_ours(weights, M: int, reps: int = 30, prefetch_weight: bool = False, *
     return time_graph(calls, reps=reps)
 
 
-def _time_step_tail(weights, M: int, how: str) -> float:
-    """Per weight copy, the greedy decode step's tail on x: how = "kernel": gemv (prefetch_weight),
-    decodex.argmax, advance_positions; "keys": gemv with argmax_keys, then advance_positions
-    finishing the argmax from them; "cublas": F.linear then torch.argmax."""
-    from decodex.engine import ARGMAX_SLOTS
-
-    xs, outs = _buffers(weights, M)
-    idx = torch.empty(M, device="cuda", dtype=torch.int64)
-    keys = torch.zeros(M, ARGMAX_SLOTS, device="cuda", dtype=torch.int64)
-    pos, lens = torch.zeros(M, device="cuda", dtype=torch.int32), torch.zeros(M, device="cuda", dtype=torch.int32)
-    ops = torch.ops.decodex
-
-    def call(i):
-        if how == "cublas":
-            torch.argmax(F.linear(xs[i], weights[i]), dim=-1)
-        elif how == "kernel":
-            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True)
-            ops.argmax(outs[i], idx)
-            ops.advance_positions(pos, lens)
-        else:
-            ops.gemv(xs[i], weights[i], None, outs[i], prefetch_weight=True, argmax_keys=keys)
-            ops.advance_positions(pos, lens, argmax_keys=keys, tokens=idx)
-    return time_graph([lambda i=i: call(i) for i in range(len(weights))])
-
-
 def _time_rms_norm_then_gemv(weights, M: int) -> float:
     """Per weight copy: an rms_norm kernel, then the gemv of its output (what rms_eps replaces)."""
     xs, outs = _buffers(weights, M)
@@ -123,20 +96,15 @@ NORM_TITLE = "gemv RMS norm: rms_norm + gemv vs gemv(rms_eps), beside plain gemv
 NORM_HEADERS = ["shape", "gemv us", "rms_norm + gemv us", "rms_eps us", "saved us"]
 ACC_TITLE = "gemv accumulate: plain vs accumulate=True (out += product), prefetch_weight, L2-cold, median"
 ACC_HEADERS = ["shape", "gemv us", "accumulate us"]
-ARGMAX_SHAPES = ("lm_head",)  # the product the greedy decode step takes its tokens from
-ARGMAX_TITLE = ("greedy step tail: gemv + argmax + advance_positions vs gemv(argmax_keys) + advance_positions"
-                "(argmax_keys), beside plain gemv and cuBLAS + torch.argmax, prefetch_weight, L2-cold, median")
-ARGMAX_HEADERS = ["shape", "gemv us", "+ argmax + advance us", "argmax_keys + advance us", "saved us",
-                  "cuBLAS + torch.argmax us"]
 
 
-def fused_rows() -> tuple[list[list], list[list], list[list]]:
-    """The RMS-norm, accumulate and argmax tables."""
+def fused_rows() -> tuple[list[list], list[list]]:
+    """The RMS-norm and accumulate tables."""
     import decodex  # noqa: F401
 
-    norm, acc, arg = [], [], []
+    norm, acc = [], []
     for model, name, N, K in SHAPES:
-        if name not in NORM_SHAPES + ACCUMULATE_SHAPES + ARGMAX_SHAPES:
+        if name not in NORM_SHAPES + ACCUMULATE_SHAPES:
             continue
         weights = _stack(N, K)
         for M in (1, 8):
@@ -146,14 +114,11 @@ def fused_rows() -> tuple[list[list], list[list], list[list]]:
                 two, one = _time_rms_norm_then_gemv(weights, M), _time_ours(weights, M, prefetch_weight=True,
                                                                            rms_eps=1e-6)
                 norm.append([label, plain, two, one, two - one])
-            elif name in ARGMAX_SHAPES:
-                three, two = _time_step_tail(weights, M, "kernel"), _time_step_tail(weights, M, "keys")
-                arg.append([label, plain, three, two, three - two, _time_step_tail(weights, M, "cublas")])
             else:
                 acc.append([label, plain, _time_ours(weights, M, prefetch_weight=True, accumulate=True)])
         del weights
         torch.cuda.empty_cache()
-    return norm, acc, arg
+    return norm, acc
 
 
 def _time_cublas(weights, M: int, plan: str = "cublas") -> float:
@@ -265,10 +230,9 @@ def main(argv=None) -> None:
     print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only))
     if ms is not None or args.only:
         return
-    norm, acc, arg = fused_rows()
+    norm, acc = fused_rows()
     print_table(NORM_TITLE, NORM_HEADERS, norm)
     print_table(ACC_TITLE, ACC_HEADERS, acc)
-    print_table(ARGMAX_TITLE, ARGMAX_HEADERS, arg)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,9 @@ TORCH_LIBRARY(decodex, m) {
   // rms_eps (all three GEMV ops): each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) +
   // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
   // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias
-  // included), the product rounded to bf16 first. x must not overlap out. argmax_keys (int64
-  // [M, slots], M <= 8, accumulate False): the argmax key of each output of out (value bits << 32 |
-  // ~index, compared as unsigned: the largest key is decodex.argmax's answer) max-reduced into
-  // argmax_keys[m, (output // 16) % slots]; advance_positions turns them into tokens.
+  // included), the product rounded to bf16 first. x must not overlap out.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, bool accumulate=False, Tensor(b!)? argmax_keys=None) -> ()");
+        "float? rms_eps=None, bool accumulate=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
   // gemv_silu_mul_max_rows(x's device).
@@ -82,11 +79,8 @@ TORCH_LIBRARY(decodex, m) {
   // out[B] (int64): a token drawn from softmax(logits / temperature) restricted to top_k (0: off)
   // and top_p; temperature[b] == 0 means greedy. The draw is a hash of (seed[b], positions[b]).
   m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, Tensor positions, Tensor(a!) out) -> ()");
-  // For each live row (positions[b] >= 0): positions[b] += 1; lengths[b] = positions[b] + 1. With
-  // argmax_keys ([B, slots] int64, gemv's) and tokens ([B] int64): first tokens[b] = the index the
-  // largest of row b's keys names (-1 if all are 0), and the keys are zeroed (the greedy step's end).
-  m.def("advance_positions(Tensor(a!) positions, Tensor(b!) lengths, Tensor(c!)? argmax_keys=None, "
-        "Tensor(d!)? tokens=None) -> ()");
+  // For each live row (positions[b] >= 0): positions[b] += 1; lengths[b] = positions[b] + 1.
+  m.def("advance_positions(Tensor(a!) positions, Tensor(b!) lengths) -> ()");
   // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]) (accumulate: out += that, rounded once) by
   // cuBLASLt with candidate number `algo` of this problem's list (0 <= algo < lt_linear_algos(...)
   // with the same arguments); bf16, fp32 accumulation. workspace: a uint8 CUDA buffer the chosen

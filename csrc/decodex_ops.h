@@ -25,16 +25,15 @@ using OptT = std::optional<T>;
 
 using OptD = std::optional<double>;
 
-// prefetch_weight, rms_eps, accumulate, argmax_keys: see the schemas in csrc/bindings.cpp (the
-// weight is not written by the kernel just before this one on the stream; each product row is
-// scaled by 1/rms(x row); out += the product; each row's argmax keys).
+// prefetch_weight, rms_eps, accumulate: see the schemas in csrc/bindings.cpp (the weight is not
+// written by the kernel just before this one on the stream; each product row is scaled by
+// 1/rms(x row); out += the product).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
                  bool prefetch_weight = false, OptD rms_eps = std::nullopt,
-                 bool accumulate = false, const OptT& argmax_keys = std::nullopt) {
-  static auto h =
-      detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, const OptT&)>(
-          "decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, argmax_keys);
+                 bool accumulate = false) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool)>(
+      "decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,
@@ -120,11 +119,9 @@ inline void sample(const T& logits, const T& temperature, const T& top_k, const 
   h.call(logits, temperature, top_k, top_p, seed, positions, out);
 }
 
-// argmax_keys, tokens: the greedy step's end (see the schema in csrc/bindings.cpp).
-inline void advance_positions(T& positions, T& lengths, const OptT& argmax_keys = std::nullopt,
-                              const OptT& tokens = std::nullopt) {
-  static auto h = detail::op<void(T&, T&, const OptT&, const OptT&)>("decodex::advance_positions");
-  h.call(positions, lengths, argmax_keys, tokens);
+inline void advance_positions(T& positions, T& lengths) {
+  static auto h = detail::op<void(T&, T&)>("decodex::advance_positions");
+  h.call(positions, lengths);
 }
 
 // cuBLASLt's candidate `algo` (0 <= algo < lt_linear_algos(...) for the same arguments) for

@@ -315,7 +315,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
       options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope,
-      options.argmax, static_cast<int>(M));
+      static_cast<int>(M));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -326,8 +326,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          const std::optional<at::Tensor>& argmax_keys) {
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -335,36 +334,14 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
            kMaxRows, " rows a call)");
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
-  GemvOptions options = gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
-  GemvEpilogue epilogue = GemvEpilogue::kStore;
-  if (argmax_keys.has_value()) {
-    const at::Tensor& a = *argmax_keys;  // checked by hand: the messages must say "argmax_keys"
-    DX_CHECK(a.is_cuda() && a.device() == x.device(), "argmax_keys must be on x's device ",
-             x.device(), ", got ", a.device());
-    DX_CHECK(a.scalar_type() == at::kLong, "argmax_keys must have dtype ", at::kLong, ", got ",
-             a.scalar_type());
-    DX_CHECK(a.dim() == 2 && a.size(0) == M && a.size(1) >= 1 && a.size(1) <= (int64_t{1} << 30),
-             "argmax_keys must have shape [M, slots] = [", M, ", >= 1], got ", a.sizes());
-    DX_CHECK((a.size(1) == 1 || a.stride(1) == 1) && (M == 1 || a.stride(0) >= a.size(1)),
-             "argmax_keys must have a contiguous last dim and rows that do not overlap, got strides ",
-             a.strides(), " for shape ", a.sizes());
-    DX_CHECK(M <= kMaxRows, "decodex::gemv: argmax_keys needs M <= ", kMaxRows, " rows of x, got ",
-             "x of shape ", x.sizes(), " (use decodex.argmax on out for larger batches)");
-    DX_CHECK(!accumulate, "decodex::gemv: argmax_keys needs accumulate=False (the keys are of ",
-             "the product as stored)");
-    DX_CHECK(!spans_overlap(a, out) && !spans_overlap(a, x) && !spans_overlap(a, weight),
-             "decodex::gemv: argmax_keys must not overlap x, weight or out");
-    DX_CHECK(N >= 1, "decodex::gemv: argmax_keys needs N >= 1 (weight.size(0)), got ", N);
-    options.argmax = {reinterpret_cast<unsigned long long*>(a.data_ptr<int64_t>()),
-                      M == 1 ? 0 : a.stride(0), static_cast<int>(a.size(1))};
-    epilogue = GemvEpilogue::kArgmax;  // M <= 8: never the wgmma kernel
-  }
+  const GemvOptions options =
+      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
   if (N == 0) return;
-  if (epilogue == GemvEpilogue::kStore && gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
+  if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
     return;
   }
-  launch_gemv("gemv", x, weight, bias_ptr, out, epilogue, options);
+  launch_gemv("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,

@@ -14,16 +14,6 @@ enum class GemvEpilogue : int {
   kStore = 0,       // out[m, n] = bf16(acc + bias[n])
   kSiluMul = 1,     // weight [2I, K] = [gate; up]: out[m, i] = silu(bf16 gate) * bf16 up
   kRopeAppend = 2,  // weight = q|k|v rows: out = q|k|v with q, k rotated; k, v appended to the cache
-  kArgmax = 3,      // kStore, and each row's argmax keys max-reduced into ArgmaxKeys (M <= 8)
-};
-
-// kArgmax's keys: row m of the product max-reduces the argmax key (csrc/logits.cuh: order-preserving
-// value bits << 32 | ~index, so the largest key is the argmax, ties to the lowest index, NaN largest)
-// of each output of tile j into keys[m * ld + j % slots].
-struct ArgmaxKeys {
-  unsigned long long* keys = nullptr;
-  int64_t ld = 0;
-  int slots = 1;
 };
 
 // kRopeAppend's extra arguments (rope_append's, minus q/k/v, which are the GEMV's output rows).
@@ -45,8 +35,6 @@ struct GemvOptions {
   std::optional<float> rms_eps;
   // kStore only: out += the product (rounded to bf16 first, as gemv then an add would round).
   bool accumulate = false;
-  // kArgmax only: where each row's argmax keys go.
-  ArgmaxKeys argmax;
 };
 
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.

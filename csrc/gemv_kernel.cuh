@@ -74,7 +74,6 @@
 
 #include "common.h"
 #include "gemv.h"
-#include "logits.cuh"
 #include "ptx.cuh"
 
 namespace decodex {
@@ -97,7 +96,6 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 //  * kRopeAppend (weight = [q heads | k heads | v heads] x D rows): tile j of a q or k head pairs
 //    rows 8j .. 8j+7 of the head with rows D/2 + 8j .. (the RoPE pairs, D/16 tiles per head); v
 //    rows are plain 16-row tiles. Same tile count as kStore.
-//  * kArgmax: kStore's tiles; each row's argmax partly reduced into the caller's keys (argmax_tile).
 // Before griddepcontrol.wait each warp of the first wave of blocks (blockIdx < prefetch_blocks, the
 // blocks resident at once) asks L2 for its first round of weight rows (lanes 0-15, one row each):
 // the weights do not depend on the kernel before, so their first DRAM round trip overlaps that
@@ -109,34 +107,6 @@ constexpr int kMaxRows = 8;      // rows of x of the fused epilogues and of the 
 // __launch_bounds__(256, 2): without a minimum of blocks per SM, ptxas trades the loads in flight
 // for occupancy (it sank each load down to its mma: 3 loads in flight instead of 3U). With it,
 // ptxas may use up to 128 registers and issues all 3U loads of a trip before the first mma.
-// kArgmax: each row's argmax, reduced as far as one kernel can without a hand-off between blocks.
-// Each tile's lead warp makes the argmax key (logits.cuh) of every bf16 value it stores, takes the
-// max over its 16 rows and max-reduces it into slot tile % slots of the caller's keys row
-// (red.max.u64: no return value, so the warp does not wait for it). A last-block hand-off (a fence
-// and a counter a tile) made the 1.5B LM head 25% slower (134 against 107 us, bench/RESULTS.md,
-// session 26): its 9496 blocks live about 3 us each, and the round trips ran in every one of them.
-// The reds to one cache line queue at its L2 slice, so the keys must span many lines: the decode
-// step gives each row 1024 slots (64 lines; with 64 slots, 4 lines, the 1.5B LM head took 112 us in
-// the step against 107). Whoever reads the keys next (advance_positions in the decode step) takes
-// the max over the slots.
-// best[e]: this lane's key of x row 2t + e over its rows (0 for none). Called by a whole lead warp.
-__device__ __forceinline__ void argmax_tile(u64 (&best)[2], int M, int tile, const ArgmaxKeys& keys,
-                                            int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {  // over g: lanes 0-3 then hold the tile's keys
-#pragma unroll
-    for (int e = 0; e < 2; ++e) best[e] = Max{}(best[e], __shfl_xor_sync(0xffffffffu, best[e], off));
-  }
-  if (g == 0) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int n = 2 * t + e;
-      if (n < M) atomicMax(keys.keys + static_cast<int64_t>(n) * keys.ld + tile % keys.slots, best[e]);
-    }
-  }
-}
-
 template <int M, int U, int kEpi, bool kRms, bool kCluster>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B aligned
@@ -145,11 +115,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope, const ArgmaxKeys argmax,
-            int m_rows) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
-  constexpr bool kArgmax = kEpi == static_cast<int>(GemvEpilogue::kArgmax);
   // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
   // variants (M a multiple of 8 up to 64, kStore without RMS), which take their real row count
   // from m_rows (<= M; rows past it are zeros in, nothing out).
@@ -472,7 +440,6 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       }
     }
   } else {
-    u64 best[2] = {0, 0};  // kArgmax: the keys of x rows 2t, 2t + 1 (accumulate is refused there)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = i >= 2 ? row1 : row0;
@@ -481,10 +448,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
         float v = stored(i, row);
         if (accumulate) v = __fadd_rn(__bfloat162float(__ushort_as_bfloat16(old_out[i])), v);  // out += it
         out[static_cast<int64_t>(n) * ldo + row] = __float2bfloat16_rn(v);
-        if constexpr (kArgmax) best[i & 1] = Max{}(best[i & 1], argmax_key(v, static_cast<unsigned>(row)));
       }
     }
-    if constexpr (kArgmax) argmax_tile(best, M, tile, argmax, lane);
   }
 #else
   pdl_begin();
@@ -496,7 +461,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs, const ArgmaxKeys, int);
+                            int, bool, float, bool, const RopeAppendArgs, int);
 
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 inline int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }
@@ -532,8 +497,6 @@ GemvKernel kernel_for(int m, int u) {
 template <bool kCluster, bool kRms>
 GemvKernel kernel_for(int m, int u, GemvEpilogue epi) {
   switch (epi) {
-    case GemvEpilogue::kArgmax:
-      return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kArgmax), kRms>(m, u);
     case GemvEpilogue::kSiluMul:
       return kernel_for<kCluster, static_cast<int>(GemvEpilogue::kSiluMul), kRms>(m, u);
     case GemvEpilogue::kRopeAppend:

@@ -6,8 +6,7 @@
 namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          const std::optional<at::Tensor>& argmax_keys);
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps);
 int64_t gemv_silu_mul_max_rows(int64_t device);
@@ -39,9 +38,7 @@ void argmax(const at::Tensor& logits, at::Tensor& out);
 void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
             const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,
             at::Tensor& out);
-void advance_positions(at::Tensor& positions, at::Tensor& lengths,
-                       const std::optional<at::Tensor>& argmax_keys,
-                       const std::optional<at::Tensor>& tokens);
+void advance_positions(at::Tensor& positions, at::Tensor& lengths);
 void lt_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                at::Tensor& out, at::Tensor& workspace, int64_t algo, bool accumulate);
 int64_t lt_linear_algos(const at::Tensor& x, const at::Tensor& weight,

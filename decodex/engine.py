@@ -7,8 +7,7 @@ One decode step for a batch of rows is a fixed sequence of kernels on preallocat
     in its epilogue) -> decode_attention (over the device-side length) -> o gemv adding into the
     residual (accumulate) -> gemv_silu_mul (the gate|up gemv of the RMS-normalised residual, SiLU*up
     in its epilogue) -> down gemv adding into the residual] -> rms_norm (final norm) -> lm_head gemv
-    (greedy, up to 8 rows a call: the argmax partly in its epilogue, gemv's argmax_keys) -> argmax |
-    sample -> advance_positions (which finishes the argmax from the keys where the GEMV began it)
+    -> argmax | sample -> advance_positions
 
 captured once per (graph batch size, greedy) into a CUDA graph and replayed. Positions and lengths
 live on the device and advance inside the graph, so a graph captured at one context length serves
@@ -83,7 +82,6 @@ S cache capacity, T prompt tokens.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from collections import deque
@@ -122,11 +120,6 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
 PLAN_CONTEXT = 1024
 PLAN_MARGIN = 0.005
-# Slots of each row's argmax keys in the LM head GEMV (tile j of the product reduces into slot
-# j % ARGMAX_SLOTS): 64 cache lines of 16 keys, so that the red.max of the 1.5B head's 9496 tiles
-# queue about 150 deep on each line. With 64 slots (4 lines) the head took 112.4 us in the step
-# against 107 (bench/RESULTS.md, session 26). advance_positions reads the 8 KB a row back.
-ARGMAX_SLOTS = 1024
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -542,8 +535,6 @@ class CudaGraphRunner(HostLoop):
             self.gate_up = zeros(B, 2 * I)  # [B, 2I]
             self.act = zeros(B, I)  # [B, I]
             self.logits = zeros(B, V)  # [B, V] bf16
-            # [B, ARGMAX_SLOTS] the greedy LM head's argmax keys (gemv's argmax_keys), zero between steps
-            self.argmax_keys = zeros(B, ARGMAX_SLOTS, dtype=torch.int64)
             # decode_attention scratch: one buffer sized for the largest graph, viewed per size.
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             self._splits = {n: int(torch.ops.decodex.decode_attention_splits(n, Hkv, capacity, sms))
@@ -633,22 +624,14 @@ class CudaGraphRunner(HostLoop):
             ops.rms_norm(residual, weight, self.eps, hidden)
         return hidden, None
 
-    def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None, argmax_keys=None) -> None:
+    def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
-        rms_eps is given (gemv8 only); each row's argmax keys reduced into argmax_keys (gemv8 only)."""
+        rms_eps is given (gemv8 only)."""
         if self._plan(n, name) in BLAS_PLANS:
             self._blas(n, name, x, w, b, out, accumulate=False)
             return
         for s in self._gemv_rows(n, name):
-            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps,
-                                   argmax_keys=None if argmax_keys is None else argmax_keys[s])
-
-    def _argmax_in_gemv(self, n: int) -> bool:
-        """Whether the greedy step's argmax runs in the LM head GEMV's epilogue (gemv's argmax_keys,
-        finished by advance_positions) rather than as an argmax kernel after it: wherever the LM
-        head runs on decodex's GEMVs over 8-row chunks. DECODEX_ARGMAX_IN_GEMV=0 keeps the argmax
-        kernel (A/B runs; read at capture)."""
-        return self._plan(n, "lm_head") == "gemv8" and os.environ.get("DECODEX_ARGMAX_IN_GEMV") != "0"
+            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
 
     def _blas(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
         """out (+)= x @ w^T (+ b) by a BLAS plan: torch (cuBLAS, or cuBLASLt by blas_library) or
@@ -783,11 +766,7 @@ class CudaGraphRunner(HostLoop):
             self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)
             self._add_product(n, "down", act, layer.down_w, None)
         x, _ = self._normed(n, "lm_head", m.final_norm)
-        keys = self.argmax_keys[:n] if greedy and self._argmax_in_gemv(n) else None
-        self._linear(n, "lm_head", x, m.lm_head, None, logits, argmax_keys=keys)
-        if keys is not None:  # the tokens from the keys, in advance_positions (which zeroes them)
-            ops.advance_positions(positions, lengths, argmax_keys=keys, tokens=tokens)
-            return
+        self._linear(n, "lm_head", x, m.lm_head, None, logits)
         if greedy:
             ops.argmax(logits, tokens)
         else:

@@ -296,37 +296,3 @@ def advance_positions(positions: torch.Tensor, lengths: torch.Tensor) -> tuple[t
     new_pos = torch.where(live, positions + 1, positions)
     new_len = torch.where(live, new_pos + 1, lengths)
     return new_pos, new_len
-
-
-# ---- the argmax keys of gemv(argmax_keys=...) and advance_positions(argmax_keys=...) -------------
-# A key is the u64 (order-preserving bits of the bf16 value as fp32) << 32 | (~index & 0xffffffff),
-# held in an int64 tensor as the same bits; the largest key (compared as unsigned) names the argmax,
-# ties to the lowest index, NaN above everything (csrc/logits.cuh). 0 is below every key.
-_U64_FLIP = -(1 << 63)  # xor with this: unsigned order of the bits == signed order of the result
-
-
-def argmax_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The key of each value (any float dtype, taken as fp32) at its index, as int64 bits."""
-    u = values.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    u = torch.where(u == 0x80000000, torch.zeros_like(u), u)  # -0 as +0
-    order = torch.where((u & 0x80000000) != 0, (~u) & 0xFFFFFFFF, u | 0x80000000)
-    order = torch.where(values.isnan(), torch.full_like(order, 0xFFFFFFFF), order)
-    high = torch.where(order >= (1 << 31), order - (1 << 32), order)  # the top 32 bits, signed
-    return high * (1 << 32) + ((~index.to(torch.int64)) & 0xFFFFFFFF)
-
-
-def argmax_keys(out: torch.Tensor, slots: int, tile: int = 16) -> torch.Tensor:
-    """[M, slots] int64: what gemv(..., argmax_keys) leaves in zeroed keys for the stored product
-    out [M, N]: output n's key max-reduced into slot (n // tile) % slots (slots no tile reached: 0)."""
-    M, N = out.shape
-    keys = argmax_key(out, torch.arange(N).expand(M, N)) ^ _U64_FLIP  # signed order
-    slot = (torch.arange(N) // tile) % slots
-    res = torch.full((M, slots), -(1 << 63), dtype=torch.int64)  # key 0, flipped
-    res.scatter_reduce_(1, slot.expand(M, N).contiguous(), keys, reduce="amax")
-    return res ^ _U64_FLIP
-
-
-def argmax_from_keys(keys: torch.Tensor) -> torch.Tensor:
-    """[M] int64: the index each row's largest key names (-1 for a row of zeros)."""
-    best = (keys ^ _U64_FLIP).amax(dim=1) ^ _U64_FLIP
-    return torch.where(best == 0, torch.full_like(best, -1), (~best) & 0xFFFFFFFF)

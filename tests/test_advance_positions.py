@@ -1,6 +1,5 @@
 """decodex::advance_positions: for live rows (positions[b] >= 0) positions[b] += 1 and
-lengths[b] = positions[b] + 1 (the new value); rows with a negative position are left alone. (Its
-argmax_keys / tokens arguments, which finish gemv's argmax, are tested in test_gemv_argmax.py.)
+lengths[b] = positions[b] + 1 (the new value); rows with a negative position are left alone.
 
 GPU tests compare to decodex.reference.advance_positions, replay it in a CUDA graph (each replay
 advances once more), and check the argument errors. CPU tests: schema, fake impl, dispatcher refusal.
@@ -88,8 +87,7 @@ def test_advance_positions_opcheck():
 @pytest.mark.ext
 def test_advance_positions_schema():
     s = str(torch.ops.decodex.advance_positions.default._schema)
-    assert s == ("decodex::advance_positions(Tensor(a!) positions, Tensor(b!) lengths, "
-                 "Tensor(c!)? argmax_keys=None, Tensor(d!)? tokens=None) -> ()"), s
+    assert s == "decodex::advance_positions(Tensor(a!) positions, Tensor(b!) lengths) -> ()", s
 
 
 @pytest.mark.ext

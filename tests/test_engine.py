@@ -424,27 +424,6 @@ def test_graph_logits_match_fp32_reference(name):
     torch.testing.assert_close(runner.logits[0], replayed, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 3])
-def test_argmax_in_lm_head_gemv_equals_argmax_kernel(monkeypatch, batch):
-    """Up to 8 rows the greedy graph begins the argmax in the LM head GEMV (gemv's argmax_keys) and
-    advance_positions finishes it; DECODEX_ARGMAX_IN_GEMV=0 keeps the argmax kernel. Same logits and
-    tokens either way, the tokens are the argmax of the logits, and the keys are left zero."""
-    m = models("qwen2-d128")
-    prompts = [torch.randint(0, m.config.vocab_size, (5 + 3 * r,)).tolist() for r in range(batch)]
-    runs = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("DECODEX_ARGMAX_IN_GEMV", switch)
-        runner = engine.CudaGraphRunner(m.gpu, max_batch=batch, capacity=64)
-        assert runner._argmax_in_gemv(runner.graph_size(batch)) == (switch == "1")
-        runs.append(gpu_decode(runner, prompts, steps=12))
-        assert not runner.argmax_keys.any()
-    (l1, t1, _), (l0, t0, _) = runs
-    for k in range(len(l1)):
-        assert torch.equal(l1[k], l0[k]) and torch.equal(t1[k], t0[k]), f"step {k} differs"
-        assert torch.equal(t1[k], l1[k].argmax(dim=1)), f"step {k}: tokens are not the logits' argmax"
-
-
 @pytest.mark.parametrize("per_product_ms, keeps", [(1.0, "per product"), (3.0, "all cublas")])
 def test_checking_plans_keeps_the_faster_set_then_refines(per_product_ms, keeps):
     """_capture_checking_plans on a stand-in runner (no GPU): the per-product plans against every

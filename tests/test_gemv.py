@@ -579,7 +579,7 @@ def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, "
-                      "bool accumulate=False, Tensor(b!)? argmax_keys=None) -> ()"), schema
+                      "bool accumulate=False) -> ()"), schema
 
 
 @pytest.mark.ext
