@@ -192,6 +192,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // diagonal (rows g >= U zeroed), instead of a pair per step. The diagonal, each step once, is
   // summed over the warp at the end.
   constexpr bool kSpread = kRms && M == 1;
+  static_assert(!kSpread || U <= 8, "kSpread squares a trip's U steps in the A operand's 8 rows");
   // The wide variants: one accumulator set per block of 8 x rows (NB independent mma chains
   // already), x loaded one k-step at a time (NB loads, not U * NB, so the registers hold out).
   float accw[NB][4] = {};
