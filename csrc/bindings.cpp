@@ -17,8 +17,9 @@ TORCH_LIBRARY(decodex, m) {
   // out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N]); bf16, fp32 accumulation, K % 8 == 0, M <= 64
   // (M <= 8 with rms_eps).
   // prefetch_weight (all three GEMV ops): the caller promises that the kernel just before this one
-  // on the stream does not write `weight`, so the GEMV may start reading it while that kernel runs
-  // (programmatic dependent launch); the decode graph sets it, since its weights never change.
+  // on the stream does not write `weight` (nor gemv_rope_append's bias and inv_freq), so the GEMV
+  // may start reading them while that kernel runs (programmatic dependent launch); the decode graph
+  // sets it, since its weights never change.
   // rms_eps (all three GEMV ops): each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) +
   // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
   // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias

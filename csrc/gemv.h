@@ -28,8 +28,9 @@ struct RopeAppendArgs {
 
 // The options every GEMV op takes (the schema arguments of the same names, see bindings.cpp).
 struct GemvOptions {
-  // The kernel just before on the stream does not write the weight: the GEMV may load its first
-  // weights before that kernel has finished (see gemv_kernel.cuh).
+  // The kernel just before on the stream does not write the weight (nor kRopeAppend's bias and
+  // inv_freq): the GEMV may load its first weights (and those) before that kernel has finished
+  // (see gemv_kernel.cuh).
   bool prefetch_weight = false;
   // If set, each product row is scaled by 1/rms(x row) = rsqrt(mean(x^2) + rms_eps) before the bias.
   std::optional<float> rms_eps;

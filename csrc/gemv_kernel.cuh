@@ -261,10 +261,42 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     prefetch_l2_bulk(weight + static_cast<int64_t>(tile_row(lane)) * ldw + k0,
                      static_cast<uint32_t>(k1 - k0) * 2u);
   }
-  pdl_begin();
-  // accumulate: the lanes that will store (lead warps, rank 0 of a cluster) fetch the outputs they
-  // add to now, so that round trip overlaps the main loop instead of following it.
+  // kRope: the epilogue's other inputs are fetched before the main loop, so that no round trip
+  // follows it at the end of every block: by the lanes that will store (lead warps, rank 0 of a
+  // cluster), the bias of their rows row0 and row1, the inv_freq of their RoPE pair and the
+  // positions of their x rows. The bias and inv_freq are as constant as the weight: with
+  // prefetch_weight (whose promise covers them) they are loaded before the wait, else right after
+  // it; the positions after it. (kStore reads its bias in the epilogue: the two registers made
+  // the M = 8, U = 8 instance spill. kSilu has none.)
   const bool lead = warp % wk == 0;
+  const bool stores = kRope && lead && rank == 0 && tile_ok;
+  float bias_r[2] = {0.f, 0.f};  // kRope: rows row0, row1
+  float inv_freq_r = 0.f;        // kRope: the pair's inverse frequency (rope tiles)
+  auto fetch_constants = [&] {
+    if constexpr (kRope) {
+      auto bias_at = [&](int row, bool ok) {
+        const uint16_t bits = load_b16(bias + min(row, N - 1), stores && ok);
+        return __bfloat162float(__ushort_as_bfloat16(bits));
+      };
+      if (bias != nullptr) {
+        bias_r[0] = bias_at(row0, ok0);
+        bias_r[1] = bias_at(row1, ok1);
+      }
+      inv_freq_r = __uint_as_float(load_b32(rope.inv_freq + 8 * hj + g, stores && rope_tile));
+    }
+  };
+  if (prefetch_weight) fetch_constants();
+  pdl_begin();
+  if (!prefetch_weight) fetch_constants();
+  int pos_r[2] = {-1, -1};  // kRope: the positions of x rows 2t, 2t + 1
+  if constexpr (kRope) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = 2 * t + i;
+      pos_r[i] = static_cast<int>(load_b32(rope.positions + min(n, M - 1), stores && n < M));
+    }
+  }
+  // accumulate: the storing lanes fetch the outputs they add to now, likewise.
   uint16_t old_out[4] = {0, 0, 0, 0};
   if (NB == 1 && !kSilu && !kRope && accumulate && lead && rank == 0) {
 #pragma unroll
@@ -375,7 +407,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   auto stored = [&](int i, int row) {
     // Explicit roundings: no FMA contraction, which could differ between the epilogues' kernels.
     float v = kRms ? __fmul_rn(r[i], inv_rms[i & 1]) : r[i];
-    if (bias != nullptr) v = __fadd_rn(v, __bfloat162float(bias[row]));
+    if (bias != nullptr) {  // kRope: row is row0 for i < 2, row1 for i >= 2
+      v = __fadd_rn(v, kRope ? bias_r[(i >> 1) & 1] : __bfloat162float(bias[row]));
+    }
     return __bfloat162float(__float2bfloat16_rn(v));
   };
   if constexpr (kSilu) {
@@ -400,11 +434,11 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
       const int n = 2 * t + i;
       if (n >= M) continue;
       float v0 = stored(i, row0), v1 = stored(i + 2, row1);
-      const int pos = rope.positions[n];
+      const int pos = pos_r[i];
       const bool live = pos >= 0 && pos < rope.S;
       if (rope_tile && live) {
         float cs, sn;
-        rope_cos_sin(pos, rope.inv_freq[8 * hj + g], cs, sn);
+        rope_cos_sin(pos, inv_freq_r, cs, sn);
         rope_rotate(v0, v1, cs, sn, v0, v1);
       }
       const __nv_bfloat16 b0 = __float2bfloat16_rn(v0), b1 = __float2bfloat16_rn(v1);

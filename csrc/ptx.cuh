@@ -1,5 +1,5 @@
 // The PTX that decodex's GEMV and decode attention are built on: predicated 16-byte loads with
-// their cache hints, a 2-byte coherent load, the L2 bulk prefetch, the tensor-core mma, the
+// their cache hints, 2- and 4-byte coherent loads, the L2 bulk prefetch, the tensor-core mma, the
 // cp.async copies, the cluster start barrier, and the warpgroup MMA (wgmma) of the batched GEMV.
 #pragma once
 #include <cstdint>
@@ -55,6 +55,20 @@ __device__ __forceinline__ uint16_t load_b16(const void* p, bool pred) {
                "  @p ld.global.b16 %0, [%1];\n"
                "}\n"
                : "=h"(v)
+               : "l"(p), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// 4 bytes at p (coherent, like load_b16), or 0 when !pred; volatile, so issued where written.
+__device__ __forceinline__ uint32_t load_b32(const void* p, bool pred) {
+  uint32_t v;
+  asm volatile("{\n"
+               "  .reg .pred p;\n"
+               "  setp.ne.b32 p, %2, 0;\n"
+               "  mov.b32 %0, 0;\n"
+               "  @p ld.global.b32 %0, [%1];\n"
+               "}\n"
+               : "=r"(v)
                : "l"(p), "r"(static_cast<int>(pred)));
   return v;
 }

@@ -3,13 +3,15 @@
 // Idea: one block per row, each thread owning NV 16-byte vectors (8 bf16) of the row, strided by the
 // block so a warp's loads are coalesced. The row (and its weight) stay in registers between the
 // sum-of-squares pass and the scale pass, so x is read once and out written once; the weight is
-// loaded up front so its latency hides behind the row's. NV in {1, 2, 4, 8} and the block size
+// asked of L2 before the PDL wait and loaded up front, so its latency hides behind the row's. NV in
+// {1, 2, 4, 8} and the block size
 // (<= 256 threads, a multiple of 32) are picked from K: K = 1536 runs 192 threads x 1 vector,
 // K = 8192 256 x 4; a small K gets a single warp (block_sum then costs one warp shuffle tree).
 // fused_add_rms_norm rounds residual + x to bf16, stores it, and normalises the rounded value, as
 // decodex.reference.fused_add_rms_norm does. Precise rsqrtf, no fast-math.
 #include "common.h"
 #include "ops.h"
+#include "ptx.cuh"
 
 namespace decodex {
 
@@ -35,6 +37,9 @@ rms_norm_kernel(const __nv_bfloat16* __restrict__ x,  // [M, K], row stride x_st
                 const __nv_bfloat16* __restrict__ weight,  // [K]
                 __nv_bfloat16* __restrict__ out,           // [M, K], row stride o_stride
                 int64_t o_stride, int K, float eps) {
+  // The weight (3-16 KB, not recently read in a decode step) is asked of L2 while the kernel ahead
+  // finishes: its DRAM round trip no longer follows the wait.
+  if (threadIdx.x == 0) prefetch_l2_bulk(weight, static_cast<uint32_t>(K) * 2u);
   pdl_begin();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;

@@ -5,7 +5,8 @@ same kernel configuration and fp32 sums, the product rounded to bf16 (after the 
 rotation, the same cos/sin and rounding steps as rope_append. GPU tests check exactly that (out and
 both caches, every row of them) on fresh random inputs over the real head layouts, batch rows that
 are skipped (negative position) or past the capacity, several forced kernel variants, graph replay
-with positions advanced on the device, opcheck and the argument checks; and once against the fp32
+with positions advanced on the device (prefetch_weight too, behind kernels that write x or the
+positions), opcheck and the argument checks; and once against the fp32
 reference. CPU tests: schema, fake impl, the reference composition.
 """
 from __future__ import annotations
@@ -110,6 +111,42 @@ def test_gemv_rope_append_cuda_graph():
     kc2, vc2 = kc.clone(), vc.clone()
     for step in range(3):
         pos += 1
+        graph.replay()
+        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {step}: out differs"
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"replay {step}: caches differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", ["positions", "x"])
+def test_gemv_rope_append_prefetch_weight_after_writers(ahead):
+    """prefetch_weight lets the kernel load its weight, bias and inv_freq before the kernel just
+    before it has finished, but never x or the positions. In a graph where that kernel writes the
+    positions (advance_positions) or x (rms_norm), every replay equals gemv + rope_append at the new
+    values bit for bit."""
+    M, H, Hkv, D, K = 2, 12, 2, 128, 1536
+    x, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
+    pos = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
+    lengths = pos + 1
+    src = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    out = torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.decodex
+
+    def writers():
+        if ahead == "positions":
+            ops.rms_norm(src, norm_w, 1e-6, x)
+            ops.advance_positions(pos, lengths)
+        else:
+            ops.advance_positions(pos, lengths)
+            ops.rms_norm(src, norm_w, 1e-6, x)
+        ops.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc, prefetch_weight=True)
+
+    graph = capture_graph(writers)
+    for step in range(4):
+        src.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+        kc2, vc2 = kc.clone(), vc.clone()
         graph.replay()
         want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
         torch.cuda.synchronize()
