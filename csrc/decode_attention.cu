@@ -321,10 +321,10 @@ __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterS
   if (cs.per % 2 == 0) {
     const int owner = item / cs.per;
     *cs.at(reinterpret_cast<float4*>(&inbox.o[cs.rank * cs.per + item - owner * cs.per]), owner) = o;
-    if (item % (D / 2) == 0) {
-      const int j = item / (D / 2);
-      for (int r = 0; r < cs.c; ++r) *cs.at(&inbox.ml[cs.rank][j], r) = make_float2(m, l);
-    }
+    // The head's (m, l) to every rank, one store a thread: the pair of dims 4r .. 4r + 3 to rank r
+    // (each thread of a head holds the same m and l; a head has D / 4 >= c pairs).
+    const int r = (item % (D / 2)) / 2;
+    if (r < cs.c) *cs.at(&inbox.ml[cs.rank][item / (D / 2)], r) = make_float2(m, l);
   } else {
     push_partial<D>(inbox, cs, item, make_float2(o.x, o.y), m, l);
     push_partial<D>(inbox, cs, item + 1, make_float2(o.z, o.w), m, l);
