@@ -263,17 +263,21 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
 // The splits of one (b, KV head, head block) merged inside their thread-block cluster (grid.x =
 // splits = the cluster size c, at most kClusterSplits; sm_90), with no workspace round trip and no
 // combine kernel. The block's outputs (head j, dims 2 d2, 2 d2 + 1: `items` float2) are cut into c
-// slices of `per`, rank r owning slice r. As the block merges its warps' partials, each output's
-// merged o (unnormalised) goes straight to its owner's inbox through distributed shared memory, and
-// each head's (m in log2 units, l) to every rank (push_partial); after one cluster barrier every
-// block merges its own slice from its own shared memory, in split order, and writes bf16
-// (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty split
-// sends o zeros and m = -inf (weight 0); all empty (length 0) gives zeros. No block reads another's
-// shared memory, and every write into a block comes before the barrier it waits at, so the blocks
-// exit without a second barrier. (Measured in the step at batch 1, bench/RESULTS.md, session 20:
+// slices of `per`, rank r owning slice r. As the block merges its warps' partials (a thread merges
+// 4 dims of a head, two outputs), the pair's merged o (unnormalised) goes straight to its owner's
+// inbox through distributed shared memory, in one 16-byte store where `per` is even (push_pair;
+// else two, push_partial), and each head's (m in log2 units, l) to every rank; after one cluster
+// barrier every block merges its own slice from its own shared memory, in split order, and writes
+// bf16 (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty
+// split sends o zeros and m = -inf (weight 0); all empty (length 0) gives zeros. No block reads
+// another's shared memory, and every write into a block comes before the barrier it waits at, so
+// the blocks exit without a second barrier. Measured in the step at batch 1 (bench/RESULTS.md):
 // every block pulling all the splits' partials of its outputs after a barrier, then a second
-// barrier, cost about 0.1 us a layer more; the block's partial gathered in its own shared memory
-// first and pushed in 16-byte stores after a block barrier, 0.1-0.2 us more.)
+// barrier, cost about 0.1 us a layer more (session 20), and the block's partial gathered in its own
+// shared memory first and pushed in 16-byte stores after a block barrier 0.1-0.2 us more; one
+// output a thread (8-byte stores) and one thread sending a head's (m, l) to all c ranks cost 0.16
+// and 0.13 us a layer more than the pairs and c threads (session 27); each warp pushing its own
+// partial to the owners (no block merge, 8x the stores) 2.4 us more.
 template <int D>
 struct ClusterInbox {
   float2 o[kHeadsPerBlock * D / 2 + kClusterSplits];  // [source rank][owned output]
@@ -312,9 +316,9 @@ __device__ __forceinline__ void push_partial(ClusterInbox<D>& inbox, const Clust
   }
 }
 
-// Outputs item and item + 1 (item even: dims 4i .. 4i + 3 of a head) to their owner in one 16-byte
-// store where the slices have an even size (the pair then has one owner and an aligned slot), else
-// in two; measured fewer store instructions in the step than one output a thread (see below).
+// Outputs item and item + 1 (item even: dims 2 item .. 2 item + 3 of the block's heads) to their
+// owner in one 16-byte store where the slices have an even size (the pair then has one owner and an
+// aligned slot), else in two (push_partial).
 template <int D>
 __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterSlice& cs, int item,
                                           float4 o, float m, float l) {
