@@ -316,12 +316,13 @@ __device__ __forceinline__ void push_partial(ClusterInbox<D>& inbox, const Clust
   }
 }
 
-// Outputs item and item + 1 (item even: dims 2 item .. 2 item + 3 of the block's heads) to their
-// owner in one 16-byte store where the slices have an even size (the pair then has one owner and an
-// aligned slot), else in two (push_partial).
+// Outputs item and item + 1 (item even: dims 2d .. 2d + 3 of head item / (D/2), d = item % (D/2))
+// to their owner in one 16-byte store where the slices have an even size (the pair then has one
+// owner and an aligned slot), else in two (push_partial).
 template <int D>
 __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterSlice& cs, int item,
                                           float4 o, float m, float l) {
+  static_assert(D / 4 >= kClusterSplits, "a head's pairs must cover every rank's (m, l) store");
   if (cs.per % 2 == 0) {
     const int owner = item / cs.per;
     *cs.at(reinterpret_cast<float4*>(&inbox.o[cs.rank * cs.per + item - owner * cs.per]), owner) = o;

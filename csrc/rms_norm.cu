@@ -4,9 +4,9 @@
 // block so a warp's loads are coalesced. The row (and its weight) stay in registers between the
 // sum-of-squares pass and the scale pass, so x is read once and out written once; the weight is
 // asked of L2 before the PDL wait and loaded up front, so its latency hides behind the row's. NV in
-// {1, 2, 4, 8} and the block size
-// (<= 256 threads, a multiple of 32) are picked from K: K = 1536 runs 192 threads x 1 vector,
-// K = 8192 256 x 4; a small K gets a single warp (block_sum then costs one warp shuffle tree).
+// {1, 2, 4, 8} and the block size (<= 256 threads, a multiple of 32) are picked from K: K = 1536
+// runs 192 threads x 1 vector, K = 8192 256 x 4; a small K gets a single warp (block_sum then costs
+// one warp shuffle tree).
 // fused_add_rms_norm rounds residual + x to bf16, stores it, and normalises the rounded value, as
 // decodex.reference.fused_add_rms_norm does. Precise rsqrtf, no fast-math.
 #include "common.h"
