@@ -44,34 +44,25 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
 #endif
 }
 
-// 2 bytes at p (a coherent load: p may be written later by the same thread), or 0 when !pred.
-// Volatile, so it is issued where it is written rather than sunk to its use.
-__device__ __forceinline__ uint16_t load_b16(const void* p, bool pred) {
-  uint16_t v;
-  asm volatile("{\n"
-               "  .reg .pred p;\n"
-               "  setp.ne.b32 p, %2, 0;\n"
-               "  mov.b16 %0, 0;\n"
-               "  @p ld.global.b16 %0, [%1];\n"
-               "}\n"
-               : "=h"(v)
-               : "l"(p), "r"(static_cast<int>(pred)));
-  return v;
-}
+// Defines `type name(const void* p, bool pred)`: one `bits`-wide coherent load at p (p may be
+// written later by the same thread), or 0 when !pred. Volatile, so it is issued where it is written
+// rather than sunk to its use. `reg` is the asm constraint of `type`.
+#define DX_DEFINE_LOAD_SCALAR(name, type, reg, bits)                                        \
+  __device__ __forceinline__ type name(const void* p, bool pred) {                          \
+    type v;                                                                                 \
+    asm volatile("{\n"                                                                      \
+                 "  .reg .pred p;\n"                                                        \
+                 "  setp.ne.b32 p, %2, 0;\n"                                                \
+                 "  mov." bits " %0, 0;\n"                                                  \
+                 "  @p ld.global." bits " %0, [%1];\n"                                      \
+                 "}\n"                                                                      \
+                 : "=" reg(v)                                                               \
+                 : "l"(p), "r"(static_cast<int>(pred)));                                    \
+    return v;                                                                               \
+  }
 
-// 4 bytes at p (coherent, like load_b16), or 0 when !pred; volatile, so issued where written.
-__device__ __forceinline__ uint32_t load_b32(const void* p, bool pred) {
-  uint32_t v;
-  asm volatile("{\n"
-               "  .reg .pred p;\n"
-               "  setp.ne.b32 p, %2, 0;\n"
-               "  mov.b32 %0, 0;\n"
-               "  @p ld.global.b32 %0, [%1];\n"
-               "}\n"
-               : "=r"(v)
-               : "l"(p), "r"(static_cast<int>(pred)));
-  return v;
-}
+DX_DEFINE_LOAD_SCALAR(load_b16, uint16_t, "h", "b16")  // 2 bytes
+DX_DEFINE_LOAD_SCALAR(load_b32, uint32_t, "r", "b32")  // 4 bytes
 
 // d[16x8] += a[16x16] * b[16x8]: mma.sync m16n8k16, bf16 operands in the PTX fragment layouts,
 // fp32 accumulators.
