@@ -38,8 +38,9 @@ rms_norm_kernel(const __nv_bfloat16* __restrict__ x,  // [M, K], row stride x_st
                 __nv_bfloat16* __restrict__ out,           // [M, K], row stride o_stride
                 int64_t o_stride, int K, float eps) {
   // The weight (3-16 KB, not recently read in a decode step) is asked of L2 while the kernel ahead
-  // finishes: its DRAM round trip no longer follows the wait.
-  if (threadIdx.x == 0) prefetch_l2_bulk(weight, static_cast<uint32_t>(K) * 2u);
+  // finishes: its DRAM round trip no longer follows the wait. One request, from the first block:
+  // the other rows' blocks find it there (or load it themselves), rather than each asking again.
+  if (blockIdx.x == 0 && threadIdx.x == 0) prefetch_l2_bulk(weight, static_cast<uint32_t>(K) * 2u);
   pdl_begin();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
