@@ -265,13 +265,16 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
 // combine kernel. The block's outputs (head j, dims 2 d2, 2 d2 + 1: `items` float2) are cut into c
 // slices of `per`, rank r owning slice r. As the block merges its warps' partials (a thread merges
 // 4 dims of a head, two outputs), the pair's merged o (unnormalised) goes straight to its owner's
-// inbox through distributed shared memory, in one 16-byte store where `per` is even (push_pair;
-// else two, push_partial), and each head's (m in log2 units, l) to every rank; after one cluster
-// barrier every block merges its own slice from its own shared memory, in split order, and writes
-// bf16 (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r, w_r = exp2(m_r - max m). An empty
-// split sends o zeros and m = -inf (weight 0); all empty (length 0) gives zeros. No block reads
-// another's shared memory, and every write into a block comes before the barrier it waits at, so
-// the blocks exit without a second barrier. Measured in the step at batch 1 (bench/RESULTS.md):
+// inbox through distributed shared memory, in one 16-byte st.async where `per` is even (push_pair;
+// else two, push_partial), and each head's (m in log2 units, l) to every rank. Each st.async counts
+// its bytes on the owner's mbarrier, which expects them all (inbox_bytes, set before the block
+// says it has started); once they have landed, a block merges its own slice from its own shared
+// memory, in split order, and writes bf16 (merge_cluster): out = sum_r w_r o_r / sum_r w_r l_r,
+// w_r = exp2(m_r - max m). An empty split sends o zeros and m = -inf (weight 0); all empty (length
+// 0) gives zeros. No block reads another's shared memory and each waits for every byte written
+// into it, so there is no cluster barrier after the start one. Measured in the step at batch 1
+// (bench/RESULTS.md): generic stores and a cluster barrier (which compiles to a GPU-scope fence)
+// cost 0.13 us a layer more than st.async at 1.5B (session 28);
 // every block pulling all the splits' partials of its outputs after a barrier, then a second
 // barrier, cost about 0.1 us a layer more (session 20), and the block's partial gathered in its own
 // shared memory first and pushed in 16-byte stores after a block barrier 0.1-0.2 us more; one
@@ -282,6 +285,7 @@ template <int D>
 struct ClusterInbox {
   float2 o[kHeadsPerBlock * D / 2 + kClusterSplits];  // [source rank][owned output]
   float2 ml[kClusterSplits][kHeadsPerBlock];          // [source rank][head]: (m, l)
+  uint64_t full;  // c > 1: counts the bytes the ranks push in (inbox_bytes), one phase
 };
 
 struct ClusterSlice {
@@ -293,14 +297,6 @@ struct ClusterSlice {
 #endif
     per = (items + c - 1) / c;
   }
-  template <typename T>
-  __device__ __forceinline__ T* at(T* p, int r) const {  // p in rank r's shared memory
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return c == 1 ? p : cooperative_groups::this_cluster().map_shared_rank(p, r);
-#else
-    return p;
-#endif
-  }
 };
 
 // Output `item` (head item / (D/2)) of this block's merged partial to its owner; a head's first
@@ -309,11 +305,30 @@ template <int D>
 __device__ __forceinline__ void push_partial(ClusterInbox<D>& inbox, const ClusterSlice& cs, int item,
                                              float2 o, float m, float l) {
   const int owner = item / cs.per;
-  *cs.at(&inbox.o[cs.rank * cs.per + item - owner * cs.per], owner) = o;
+  float2* slot = &inbox.o[cs.rank * cs.per + item - owner * cs.per];
+  if (cs.c == 1) {
+    *slot = o;
+  } else {
+    st_async(cluster_addr(slot, owner), o, cluster_addr(&inbox.full, owner));
+  }
   if (item % (D / 2) == 0) {
     const int j = item / (D / 2);
-    for (int r = 0; r < cs.c; ++r) *cs.at(&inbox.ml[cs.rank][j], r) = make_float2(m, l);
+    if (cs.c == 1) {
+      inbox.ml[0][j] = make_float2(m, l);
+    } else {
+      for (int r = 0; r < cs.c; ++r) {
+        st_async(cluster_addr(&inbox.ml[cs.rank][j], r), make_float2(m, l), cluster_addr(&inbox.full, r));
+      }
+    }
   }
+}
+
+// The bytes push_pair / push_partial of the c ranks store into this block's inbox (what its
+// mbarrier waits for): its slice of o from each rank, and each head's (m, l) from each rank.
+template <int D>
+__device__ __forceinline__ uint32_t inbox_bytes(const ClusterSlice& cs, int heads) {
+  const int owned = max(0, min(cs.per, heads * (D / 2) - cs.rank * cs.per));
+  return static_cast<uint32_t>(cs.c * (owned + heads) * 8);
 }
 
 // Outputs item and item + 1 (item even: dims 2d .. 2d + 3 of head item / (D/2), d = item % (D/2))
@@ -325,11 +340,18 @@ __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterS
   static_assert(D / 4 >= kClusterSplits, "a head's pairs must cover every rank's (m, l) store");
   if (cs.per % 2 == 0) {
     const int owner = item / cs.per;
-    *cs.at(reinterpret_cast<float4*>(&inbox.o[cs.rank * cs.per + item - owner * cs.per]), owner) = o;
+    float2* slot = &inbox.o[cs.rank * cs.per + item - owner * cs.per];
     // The head's (m, l) to every rank, one store a thread: the pair of dims 4r .. 4r + 3 to rank r
     // (each thread of a head holds the same m and l; a head has D / 4 >= c pairs).
     const int r = (item % (D / 2)) / 2;
-    if (r < cs.c) *cs.at(&inbox.ml[cs.rank][item / (D / 2)], r) = make_float2(m, l);
+    float2* ml = &inbox.ml[cs.rank][item / (D / 2)];
+    if (cs.c == 1) {
+      *reinterpret_cast<float4*>(slot) = o;
+      if (r < cs.c) *ml = make_float2(m, l);
+    } else {
+      st_async(cluster_addr(slot, owner), o, cluster_addr(&inbox.full, owner));
+      if (r < cs.c) st_async(cluster_addr(ml, r), make_float2(m, l), cluster_addr(&inbox.full, r));
+    }
   } else {
     push_partial<D>(inbox, cs, item, make_float2(o.x, o.y), m, l);
     push_partial<D>(inbox, cs, item + 1, make_float2(o.z, o.w), m, l);
@@ -337,13 +359,13 @@ __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterS
 }
 
 template <int D>
-__device__ __forceinline__ void merge_cluster(const ClusterInbox<D>& inbox, const ClusterSlice& cs,
+__device__ __forceinline__ void merge_cluster(ClusterInbox<D>& inbox, const ClusterSlice& cs,
                                               __nv_bfloat16* out_rows, int heads) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (cs.c == 1) {
     __syncthreads();
   } else {
-    cooperative_groups::this_cluster().sync();  // arrive (release) and wait (acquire)
+    mbar_wait_cluster(&inbox.full, 0);  // every byte of this block's slice has landed
   }
   const int c = cs.c;
   for (int k = threadIdx.x; k < cs.per; k += blockDim.x) {
@@ -534,6 +556,13 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   const int heads = min(kHeadsPerBlock, group - kHeadsPerBlock * hb);  // live query heads here
   const int head0 = kvh * group + kHeadsPerBlock * hb;                 // first one, global index
   const int cluster = cluster_merge ? splits : 1;  // blocks of this block's cluster
+  // The outputs this block merges when the cluster merges the splits (merge_cluster); its
+  // mbarrier is ready before this block says it has started.
+  __shared__ __align__(16) ClusterInbox<D> inbox;
+  if (cluster > 1 && threadIdx.x == 0) {
+    mbar_init_cluster(&inbox.full);
+    mbar_arrive_expect(&inbox.full, inbox_bytes<D>(ClusterSlice(cluster, heads * (D / 2)), heads));
+  }
   cluster_started_arrive(cluster);
   const int len = min(max(lengths[b], 0), S);
   const int chunk = split_chunk(len, splits);
@@ -566,7 +595,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
   unsigned char* ring = ring_smem + warp * (kStages * kSlotBytes);
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t ring_s = smem_u32(ring);
   int base = start + warp * kTile;
   KVTile<D> buf0, buf1;  // the register path's buffers
   if constexpr (kRope) {
@@ -583,8 +612,6 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   }
   pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
 
-  // The outputs this block merges when the cluster merges the splits (merge_cluster).
-  __shared__ __align__(16) ClusterInbox<D> inbox;
   __nv_bfloat16* out_rows = out + ((int64_t)b * H + head0) * D;
 
   // kRope: the block's q heads rotated, and row pos's k and v (block-uniform condition: the

@@ -110,7 +110,7 @@ gemv_wide_kernel(const __nv_bfloat16* __restrict__ x,       // [m_rows, ldx], ro
   static_assert(BN % 16 == 0 && kPieces % kThreads == 0, "BN: a multiple of 16");
   static_assert(64 * kRedStride * 4 + 64 * 4 <= S * kStageBytes, "the results outgrow the ring");
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
 

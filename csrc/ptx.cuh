@@ -137,6 +137,76 @@ __device__ __forceinline__ void cluster_started_wait(int c) {
 #endif
 }
 
+// ---- distributed shared memory stores counted on the owner's mbarrier (sm_90) ----
+// A block pushes into another's shared memory with st.async: each store, when it lands, takes its
+// bytes off the owner's mbarrier, whose one arrival (by the owner) announced the total. The owner
+// waits on the phase and then reads its inbox; no cluster barrier (with its GPU-scope fence) and no
+// wait in the pushing block. The owner initialises the mbarrier before cluster_started_arrive, so
+// every pusher (after cluster_started_wait) sees it initialised. decode_attention's cluster merge.
+
+// The 32-bit shared::cta address of p (this block's shared memory).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The shared::cluster address of `local`'s counterpart in rank r's shared memory.
+__device__ __forceinline__ uint32_t cluster_addr(const void* local, int r) {
+  uint32_t out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_u32(local)), "r"(r));
+#endif
+  return out;
+}
+// One arrival expected; the init released to the cluster (the start barrier's arrive follows).
+__device__ __forceinline__ void mbar_init_cluster(uint64_t* mbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// The one arrival, with the bytes the phase waits for (stores that land before it are fine: the
+// transaction count may go below zero until then).
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t* mbar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(mbar)), "r"(bytes)
+               : "memory");
+#endif
+}
+// Until the phase of the given parity completes (acquire at cluster scope: the pushed bytes are
+// visible after it).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* mbar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      "  .reg .pred done;\n"
+      "WAIT_%=:\n"
+      "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "  @!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(mbar)), "r"(parity)
+      : "memory");
+#endif
+}
+// 16 / 8 / 4 bytes into another block's shared memory (raddr, from cluster_addr), counted on its
+// mbarrier at rmbar.
+__device__ __forceinline__ void st_async(uint32_t raddr, float4 v, uint32_t rmbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+      ::"r"(raddr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(rmbar) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_async(uint32_t raddr, float2 v, uint32_t rmbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               ::"r"(raddr), "f"(v.x), "f"(v.y), "r"(rmbar) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_async(uint32_t raddr, float v, uint32_t rmbar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               ::"r"(raddr), "f"(v), "r"(rmbar) : "memory");
+#endif
+}
+
 // ---- warpgroup MMA (sm_90a): the wgmma GEMV (csrc/gemv_wide.cu) ----
 
 // The accumulator operands of a wgmma: d[i .. i + n) as "+f", and their names %0 .. %(n - 1).
