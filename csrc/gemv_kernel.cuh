@@ -133,6 +133,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // Cluster split-K by push (see the cluster sum below): in rank 0, rank q's lead warp j's partial
   // at slot (q - 1) * wr + j. Only M <= 8 pushes (the wide variants' partials would double `red`).
   __shared__ float inbox[NB == 1 ? kMaxWarps : 1][kSums][32];
+  __shared__ uint64_t inbox_full;  // push: rank 0 counts the bytes the other ranks push in
 
   // kCluster: launched with clusters of c > 1 blocks; the other instances have no cluster code
   // (the host launches them with c = 1 only), so c is a constant 1 there.
@@ -141,6 +142,10 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   const int g = lane >> 2, t = lane & 3;
   const int rank = blockIdx.x % c;  // block rank in its cluster (cluster dims are (c, 1, 1))
   const bool push = NB == 1 && c > 1 && (c - 1) * wr <= kMaxWarps;  // grid-uniform
+  if (push && rank == 0 && threadIdx.x == 0) {  // ready before the block says it has started
+    mbar_init_cluster(&inbox_full);
+    mbar_arrive_expect(&inbox_full, static_cast<uint32_t>((c - 1) * wr * kSums * 32 * sizeof(float)));
+  }
   cluster_started_arrive(push ? c : 1);
   const int tile = (blockIdx.x / c) * wr + warp / wk;
   const int parts = wk * c, part = rank * wk + warp % wk;
@@ -350,11 +355,15 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     }
   }
   // Sum the c blocks of the cluster into block 0 (grid-uniform branch), in rank order. Push (M <= 8
-  // where the inbox holds every rank's lead partials): each rank's lead warps store their partial
-  // straight into rank 0's inbox, one cluster barrier makes the stores visible, and only rank 0
-  // goes on. Pull (otherwise): every lead warp leaves its partial in its own `red` slot, rank 0
-  // reads the others' after a barrier, and a second barrier keeps their shared memory alive until
-  // it has. Measured (bench/RESULTS.md, session 24): the push's one barrier and no remote load made
+  // where the inbox holds every rank's lead partials): each other rank's lead warps st.async their
+  // partial straight into rank 0's inbox (ptx.cuh), counted on rank 0's mbarrier (inbox_full), and
+  // their block exits; rank 0's lead warps wait for the bytes, its other warps exit at once. Pull
+  // (otherwise): every lead warp leaves its partial in its own `red` slot, rank 0 reads the others'
+  // after a barrier, and a second barrier keeps their shared memory alive until it has. Measured
+  // (bench/RESULTS.md, session 28): st.async instead of generic stores and a cluster barrier made
+  // the step 0.2% faster at 1.5B 1K and 32K and 0.5-0.8% at batch 8 (1.5B, 7B), 0.4% slower at 7B
+  // 1K; letting rank 0's other warps wait too was 0.5% slower at 1.5B 1K (0.7% faster at 1.5B batch
+  // 8). Session 24: the push's one barrier and no remote load made
   // the 1.5B down projection (clusters of 2) 0.3 us faster alone and the step 0.4-0.7% faster at
   // 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4). That build also ran the 1.5B LM head
   // (c = 1) 2% slower; since the c = 1 instances have none of this code (kCluster), it takes 107
@@ -366,17 +375,25 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     const int lead_slot = warp / wk;  // this lead warp's index among the block's wr
     if (push) {
       cluster_started_wait(c);
-      if (rank != 0 && lead) {
-        float* dst = cluster.map_shared_rank(&inbox[(rank - 1) * wr + lead_slot][0][0], 0);
+      if (rank != 0) {
+        if (lead) {
+          const uint32_t dst = cluster_addr(&inbox[(rank - 1) * wr + lead_slot][0][lane], 0);
+          const uint32_t bar = cluster_addr(&inbox_full, 0);
 #pragma unroll
-        for (int i = 0; i < kSums; ++i) dst[i * 32 + lane] = r[i];
+          for (int i = 0; i < kSums; ++i) st_async(dst + i * 32 * sizeof(float), r[i], bar);
+        }
+        return;
       }
-    } else if (lead) {
-      // A lead warp only rewrites its own slot, which no other warp of its block reads.
+      if (!lead) return;  // only rank 0's lead warps sum (and their block outlives the stores)
+      mbar_wait_cluster(&inbox_full, 0);  // every rank's partials have landed
+    } else {
+      if (lead) {
+        // A lead warp only rewrites its own slot, which no other warp of its block reads.
 #pragma unroll
-      for (int i = 0; i < kSums; ++i) red[warp][i][lane] = r[i];
+        for (int i = 0; i < kSums; ++i) red[warp][i][lane] = r[i];
+      }
+      cluster.sync();  // every rank's partials written and visible where rank 0 reads them
     }
-    cluster.sync();  // every rank's partials written and visible where rank 0 reads them
     if (rank == 0 && lead) {
       for (int q = 1; q < c; ++q) {
         const float* part = push ? &inbox[(q - 1) * wr + lead_slot][0][0]

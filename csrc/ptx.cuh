@@ -142,7 +142,8 @@ __device__ __forceinline__ void cluster_started_wait(int c) {
 // bytes off the owner's mbarrier, whose one arrival (by the owner) announced the total. The owner
 // waits on the phase and then reads its inbox; no cluster barrier (with its GPU-scope fence) and no
 // wait in the pushing block. The owner initialises the mbarrier before cluster_started_arrive, so
-// every pusher (after cluster_started_wait) sees it initialised. decode_attention's cluster merge.
+// every pusher (after cluster_started_wait) sees it initialised. decode_attention's cluster merge
+// and the GEMV's cluster split-K.
 
 // The 32-bit shared::cta address of p (this block's shared memory).
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
