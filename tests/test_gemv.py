@@ -212,7 +212,7 @@ def test_gemv_size1_strides_ignored():
 # cluster sums up to 8 rows: the push where (c - 1) * wr <= 8 (1,4,2,4, 2,2,4,8, 1,5,8,4, ...) and
 # the pull past it (8,1,8,8); the wide rows (16, 32) always pull.
 CONFIGS = ["1,1,1,4", "1,1,1,8", "2,3,1,4", "4,2,1,8", "8,1,1,4", "1,8,1,8", "1,4,2,4", "2,2,4,8",
-           "1,5,8,4", "8,1,8,8", "1,8,8,4", "2,4,3,4"]
+           "1,5,8,4", "1,5,8,8", "8,1,8,8", "1,8,8,4", "2,4,3,4"]
 
 
 @pytest.mark.gpu
