@@ -90,9 +90,9 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The 7B down M <= 4 entry is from
 // the sweep of session 25, after the c = 1 instances lost their cluster code (their registers fell,
 // the old (1,8,1,4) went from 2 to 3 blocks an SM, and the step took 1% longer; (2,4,2,8) is 2.1%
-// faster than it); after the split-K push moved to st.async (session 28) the in-step sweep picked
-// (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K. The wide ones are
-// the best of
+// faster than it); after the split-K push moved to st.async (session 28) the in-step sweep at
+// batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K
+// (batches 2 to 4, which share the entry, were not timed with it). The wide ones are the best of
 // `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
 // cost model, which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
 struct TunedShape {
