@@ -30,9 +30,9 @@
 // warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: each block pushes its partial's slices
-// to the blocks that own them through distributed shared memory, and after one cluster barrier each
-// merges its slice and writes bf16 (merge_cluster), with no workspace round trip and no second
-// kernel. Otherwise the partials go to the workspace and a
+// to the blocks that own them through distributed shared memory (st.async, counted on the owner's
+// mbarrier), and once its bytes have landed each merges its slice and writes bf16 (merge_cluster),
+// with no workspace round trip and no second kernel. Otherwise the partials go to the workspace and a
 // second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 16 splits at
 // batch 8 on a 32K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks

@@ -51,10 +51,10 @@
 //  * c = 1, block-local split-K: big N, or K short enough that wk <= 8 warps cover it. These
 //    instances (kCluster false) are compiled without the cluster code below.
 //  * c > 1, cluster split-K (sm_90): small N (the K projection has 16 tiles for 132 SMs) splits
-//    K again over the c blocks of a thread-block cluster, on c SMs; the other blocks store their
-//    partials into block 0's shared memory (distributed shared memory), which sums them after one
-//    cluster barrier. No workspace, no atomics, and the summation order is fixed, so results are
-//    deterministic.
+//    K again over the c blocks of a thread-block cluster, on c SMs; the other blocks push their
+//    partials into block 0's shared memory (st.async, distributed shared memory), which sums them
+//    once its mbarrier has counted their bytes. No workspace, no atomics, and the summation order
+//    is fixed, so results are deterministic.
 //  * U = 4 (80-96 registers, more warps per SM) or U = 8 (128 registers, twice the loads in
 //    flight per warp).
 //  * The wide variants, M = 9..64 (gemv's plain epilogue, with or without accumulate; no RMS
