@@ -362,12 +362,13 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // after a barrier, and a second barrier keeps their shared memory alive until it has. Measured
   // (bench/RESULTS.md, session 28): st.async instead of generic stores and a cluster barrier made
   // the step 0.2% faster at 1.5B 1K and 32K and 0.5-0.8% at batch 8 (1.5B, 7B), 0.4% slower at 7B
-  // 1K (the 7B down projection's re-tune in gemv.cu took that back); letting rank 0's other warps wait too was 0.5% slower at 1.5B 1K (0.7% faster at 1.5B batch
-  // 8). Session 24: the push's one barrier and no remote load made
-  // the 1.5B down projection (clusters of 2) 0.3 us faster alone and the step 0.4-0.7% faster at
-  // 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4). That build also ran the 1.5B LM head
-  // (c = 1) 2% slower; since the c = 1 instances have none of this code (kCluster), it takes 107
-  // us against 111-114 and the 1.5B step is 2% faster (session 25).
+  // 1K (the 7B down projection's re-tune in gemv.cu took that back); letting rank 0's other warps
+  // wait too was 0.5% slower at 1.5B 1K (0.7% faster at 1.5B batch 8). Session 24: the push's one
+  // barrier and no remote load made the 1.5B down projection (clusters of 2) 0.3 us faster alone
+  // and the step 0.4-0.7% faster at 1.5B (1K, 32K, batch 8) and at 7B batch 8 (clusters of 4).
+  // That build also ran the 1.5B LM head (c = 1) 2% slower; since the c = 1 instances have none of
+  // this code (kCluster), it takes 107 us against 111-114 and the 1.5B step is 2% faster (session
+  // 25).
   if (c > 1) {
 #if __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
