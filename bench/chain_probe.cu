@@ -112,7 +112,7 @@ chain_kernel(const unsigned char* __restrict__ buf, const int64_t* __restrict__ 
         waited = l;
       }
       if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
-      if (lane == 0) mbar_arrive_expect_tx(&full[slot], bytes);
+      if (lane == 0) mbar_arrive_expect(&full[slot], bytes);
       __syncwarp();
       for (int c = lane * kCopy; c < bytes; c += 32 * kCopy) {
         bulk_copy_to_shared(ring + slot * kStage + c, mine + at + c, kCopy, &full[slot], policy);

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __res
       const unsigned char* src0 = base + (size_t)(q / cpr) * rows * stride + (size_t)(q % cpr) * rowbytes;
       unsigned char* dst0 = smem + (size_t)slot * stage_bytes;
       if (method == 0) {
-        if (lane == 0) mbar_arrive_expect_tx(&full[slot], stage_bytes);
+        if (lane == 0) mbar_arrive_expect(&full[slot], stage_bytes);
         __syncwarp();
         for (int r = lane; r < rows; r += 32)
           bulk_copy_to_shared(dst0 + r * rowbytes, src0 + r * stride, rowbytes, &full[slot], pol);
