@@ -1,6 +1,6 @@
 // What the probes that stream a large buffer share (stream_probe, chain_probe; built with -Icsrc for
 // decodex's ptx.cuh): an sm_90 shared-memory ring filled by bulk copies on mbarriers, and the plain
-// read every such probe measures itself against. decodex's kernels use none of these.
+// read every such probe measures itself against. decodex's kernels use none of what is defined here.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -8,19 +8,12 @@
 #include "ptx.cuh"
 
 // ---- a shared-memory ring filled by bulk copies (sm_90) ----
-// (Shared with the kernels' cluster pushes: the shared address and the arrival with bytes expected.)
+// (The shared address and the mbarrier init, fence and arrival with bytes expected are
+// csrc/ptx.cuh's, which the kernels' cluster pushes use.)
+using decodex::fence_mbar_init;
 using decodex::mbar_arrive_expect;
+using decodex::mbar_init;
 using decodex::smem_u32;
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
-               : "memory");
-}
-
-// Makes barrier inits visible to the copy engine.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");

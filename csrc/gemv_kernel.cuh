@@ -143,7 +143,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   const int rank = blockIdx.x % c;  // block rank in its cluster (cluster dims are (c, 1, 1))
   const bool push = NB == 1 && c > 1 && (c - 1) * wr <= kMaxWarps;  // grid-uniform
   if (push && rank == 0 && threadIdx.x == 0) {  // ready before the block says it has started
-    mbar_init_cluster(&inbox_full);
+    mbar_init(&inbox_full, 1);  // one arrival: the one below, with the byte count
+    fence_mbar_init();
     mbar_arrive_expect(&inbox_full, static_cast<uint32_t>((c - 1) * wr * kSums * 32 * sizeof(float)));
   }
   cluster_started_arrive(push ? c : 1);

@@ -142,8 +142,8 @@ __device__ __forceinline__ void cluster_started_wait(int c) {
 // bytes off the owner's mbarrier, whose one arrival (by the owner) announced the total. The owner
 // waits on the phase and then reads its inbox; no cluster barrier (with its GPU-scope fence) and no
 // wait in the pushing block. The owner initialises the mbarrier before cluster_started_arrive, so
-// every pusher (after cluster_started_wait) sees it initialised. decode_attention's cluster merge
-// and the GEMV's cluster split-K.
+// every pusher (after cluster_started_wait) sees it initialised (mbar_init, fence_mbar_init).
+// decode_attention's cluster merge and the GEMV's cluster split-K.
 
 // The 32-bit shared::cta address of p (this block's shared memory).
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -157,10 +157,15 @@ __device__ __forceinline__ uint32_t cluster_addr(const void* local, int r) {
 #endif
   return out;
 }
-// One arrival expected; the init released to the cluster (the start barrier's arrive follows).
-__device__ __forceinline__ void mbar_init_cluster(uint64_t* mbar) {
+// An mbarrier expecting `count` arrivals a phase.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(mbar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+// Releases this thread's mbarrier inits to the cluster (and the async proxy: bulk copies, st.async).
+__device__ __forceinline__ void fence_mbar_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
