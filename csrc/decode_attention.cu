@@ -299,27 +299,27 @@ struct ClusterSlice {
   }
 };
 
+// v into `slot` of rank `owner`'s inbox, counted on that rank's mbarrier `full`; with c = 1 (no
+// cluster) a plain store into this block's own shared memory.
+template <typename T>
+__device__ __forceinline__ void push_to(const ClusterSlice& cs, T* slot, int owner, T v, uint64_t* full) {
+  if (cs.c == 1) {
+    *slot = v;
+  } else {
+    st_async(cluster_addr(slot, owner), v, cluster_addr(full, owner));
+  }
+}
+
 // Output `item` (head item / (D/2)) of this block's merged partial to its owner; a head's first
 // output also sends the head's (m, l) to every rank.
 template <int D>
 __device__ __forceinline__ void push_partial(ClusterInbox<D>& inbox, const ClusterSlice& cs, int item,
                                              float2 o, float m, float l) {
   const int owner = item / cs.per;
-  float2* slot = &inbox.o[cs.rank * cs.per + item - owner * cs.per];
-  if (cs.c == 1) {
-    *slot = o;
-  } else {
-    st_async(cluster_addr(slot, owner), o, cluster_addr(&inbox.full, owner));
-  }
+  push_to(cs, &inbox.o[cs.rank * cs.per + item - owner * cs.per], owner, o, &inbox.full);
   if (item % (D / 2) == 0) {
-    const int j = item / (D / 2);
-    if (cs.c == 1) {
-      inbox.ml[0][j] = make_float2(m, l);
-    } else {
-      for (int r = 0; r < cs.c; ++r) {
-        st_async(cluster_addr(&inbox.ml[cs.rank][j], r), make_float2(m, l), cluster_addr(&inbox.full, r));
-      }
-    }
+    float2* ml = &inbox.ml[cs.rank][item / (D / 2)];
+    for (int r = 0; r < cs.c; ++r) push_to(cs, ml, r, make_float2(m, l), &inbox.full);
   }
 }
 
@@ -341,17 +341,11 @@ __device__ __forceinline__ void push_pair(ClusterInbox<D>& inbox, const ClusterS
   if (cs.per % 2 == 0) {
     const int owner = item / cs.per;
     float2* slot = &inbox.o[cs.rank * cs.per + item - owner * cs.per];
+    push_to(cs, reinterpret_cast<float4*>(slot), owner, o, &inbox.full);
     // The head's (m, l) to every rank, one store a thread: the pair of dims 4r .. 4r + 3 to rank r
     // (each thread of a head holds the same m and l; a head has D / 4 >= c pairs).
     const int r = (item % (D / 2)) / 2;
-    float2* ml = &inbox.ml[cs.rank][item / (D / 2)];
-    if (cs.c == 1) {
-      *reinterpret_cast<float4*>(slot) = o;
-      if (r < cs.c) *ml = make_float2(m, l);
-    } else {
-      st_async(cluster_addr(slot, owner), o, cluster_addr(&inbox.full, owner));
-      if (r < cs.c) st_async(cluster_addr(ml, r), make_float2(m, l), cluster_addr(&inbox.full, r));
-    }
+    if (r < cs.c) push_to(cs, &inbox.ml[cs.rank][item / (D / 2)], r, make_float2(m, l), &inbox.full);
   } else {
     push_partial<D>(inbox, cs, item, make_float2(o.x, o.y), m, l);
     push_partial<D>(inbox, cs, item + 1, make_float2(o.z, o.w), m, l);
