@@ -8,12 +8,15 @@
 //   reference: plain 16-byte register loads (stream.cuh's read_kernel), 8 in flight per thread
 // Build and run on the GPU machine, from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Icsrc -o stream_probe bench/stream_probe.cu
-//   ./stream_probe
+//   ./stream_probe        (the cases below)
+//   ./stream_probe sms    (how fast a few SMs alone stream: 256 MiB
+//                          over G blocks of one SM each, 12 stages of one 16 KB copy in flight)
 // Single launches timed with CUDA events (best of 5), not graph replay: compare rows with each
 // other, not with the graph-replayed op benchmarks.
 #include <algorithm>
 #include <cstdio>
 #include <cstdint>
+#include <string>
 #include <cuda_runtime.h>
 
 #include "probe.cuh"
@@ -90,8 +93,9 @@ __global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __res
 
 }  // namespace probe
 
-int main() {
+int main(int argc, char** argv) {
   using namespace probe;
+  const bool few_sms = argc > 1 && std::string(argv[1]) == "sms";
   const size_t total = (size_t)2 << 30;  // 2 GiB
   unsigned char* buf; float* sink;
   cudaMalloc(&buf, total); cudaMalloc(&sink, 4); cudaMemset(buf, 1, total);
@@ -103,6 +107,17 @@ int main() {
     for (int r = 0; r < 5; ++r) best = std::min(best, event_ms(launch));
     return best;
   };
+  if (few_sms) {
+    const size_t bytes = (size_t)256 << 20, stage = 16384;  // long enough to hide the launch
+    for (int g : {8, 16, 32, 64, 132}) {
+      const size_t per_block = bytes / g / stage * stage;
+      float ms = timeit([&] { ring_kernel<<<g, 160, 12 * stage>>>(buf, per_block, 1, stage, stage, 12, 0, 0, sink); });
+      cudaError_t err = cudaGetLastError();
+      printf("%3d SMs, %7zu B/block: %.0f GB/s (%.1f GB/s an SM), %.2f us %s\n", g, per_block,
+             per_block * g / ms / 1e6, per_block / ms / 1e6, ms * 1e3, err ? cudaGetErrorString(err) : "");
+    }
+    return 0;
+  }
   printf("regs: ");
   for (int bps : {2, 4, 8}) {
     float ms = timeit([&] { read_kernel<8><<<sms * bps, 256>>>((const uint4*)buf, static_cast<int64_t>(total / 16), sink); });
