@@ -10,7 +10,9 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -Icsrc -o stream_probe bench/stream_probe.cu
 //   ./stream_probe        (the cases below)
 //   ./stream_probe sms    (how fast a few SMs alone stream: 256 MiB
-//                          over G blocks of one SM each, 12 stages of one 16 KB copy in flight)
+//                          over G blocks of one SM each, 12 stages of one 16 KB copy in flight, then
+//                          plain loads by 1024 threads, 128 or 256 KB in flight an SM, spread out
+//                          or in clusters of 8 and 16 blocks, each cluster on one GPC)
 // Single launches timed with CUDA events (best of 5), not graph replay: compare rows with each
 // other, not with the graph-replayed op benchmarks.
 #include <algorithm>
@@ -91,6 +93,23 @@ __global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __res
   if (acc == 12345.f) sink[0] = acc;
 }
 
+// The "sms" mode's plain read: block b reads its own per_block bytes with 16-byte loads, U in
+// flight a thread (1024 threads: U * 16 KB a block).
+template <int U>
+__global__ void __launch_bounds__(1024, 1) block_read_kernel(const uint4* __restrict__ buf, int64_t n16_block,
+                                                             float* sink) {
+  const uint4* p = buf + blockIdx.x * n16_block;
+  unsigned acc = 0;
+  for (int64_t i = threadIdx.x; i < n16_block; i += U * 1024) {
+    uint4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) v[j] = decodex::load16_stream_l2_256(p + i + j * 1024, i + j * 1024 < n16_block);
+#pragma unroll
+    for (int j = 0; j < U; ++j) acc += v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  if (acc == 0x9E3779B9u) sink[0] = static_cast<float>(acc);
+}
+
 }  // namespace probe
 
 int main(int argc, char** argv) {
@@ -115,6 +134,50 @@ int main(int argc, char** argv) {
       cudaError_t err = cudaGetLastError();
       printf("%3d SMs, %7zu B/block: %.0f GB/s (%.1f GB/s an SM), %.2f us %s\n", g, per_block,
              per_block * g / ms / 1e6, per_block / ms / 1e6, ms * 1e3, err ? cudaGetErrorString(err) : "");
+    }
+    // The same with plain 16-byte loads, 1024 threads a block (the 100 KB of dynamic shared memory
+    // asked for and unused keeps it to one block an SM).
+    cudaFuncSetAttribute(block_read_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 << 10);
+    cudaFuncSetAttribute(block_read_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 << 10);
+    for (int u : {8, 16}) {
+      for (int g : {8, 16, 32, 64, 132}) {
+        const size_t per_block = bytes / g / 16 * 16;
+        const int64_t n16 = static_cast<int64_t>(per_block / 16);
+        float ms = timeit([&] {
+          if (u == 8) block_read_kernel<8><<<g, 1024, 120 << 10>>>((const uint4*)buf, n16, sink);
+          else block_read_kernel<16><<<g, 1024, 120 << 10>>>((const uint4*)buf, n16, sink);
+        });
+        cudaError_t err = cudaGetLastError();
+        printf("plain U%-2d %3d SMs: %.0f GB/s (%.1f GB/s an SM) %s\n", u, g, per_block * g / ms / 1e6,
+               per_block / ms / 1e6, err ? cudaGetErrorString(err) : "");
+      }
+    }
+    // U = 8 again with the blocks in clusters of c (c = 16: non-portable), which the hardware puts
+    // on the SMs of one GPC each: does a GPC's SMs stream as fast as as many SMs spread out?
+    cudaFuncSetAttribute(block_read_kernel<8>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    for (int c : {8, 16}) {
+      for (int g : {c, 2 * c, 4 * c, 8 * c}) {
+        const size_t per_block = bytes / g / 16 * 16;
+        const int64_t n16 = static_cast<int64_t>(per_block / 16);
+        const uint4* src = reinterpret_cast<const uint4*>(buf);
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = c;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(g);
+        cfg.blockDim = dim3(1024);
+        cfg.dynamicSmemBytes = 120 << 10;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int clusters = 0;
+        cudaOccupancyMaxActiveClusters(&clusters, block_read_kernel<8>, &cfg);
+        float ms = timeit([&] { cudaLaunchKernelEx(&cfg, block_read_kernel<8>, src, n16, sink); });
+        cudaError_t err = cudaGetLastError();
+        printf("plain U8  %3d SMs in clusters of %2d (%d fit at once): %.0f GB/s (%.1f GB/s an SM) %s\n", g, c,
+               clusters, per_block * g / ms / 1e6, per_block / ms / 1e6, err ? cudaGetErrorString(err) : "");
+      }
     }
     return 0;
   }
