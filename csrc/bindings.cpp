@@ -24,13 +24,18 @@ TORCH_LIBRARY(decodex, m) {
   // rms_eps) before the bias: the product of rms_norm(x, w, rms_eps) when w is folded into weight's
   // columns (weight * w, decodex.ops.fold_norm_weight). accumulate (gemv): out += the product (bias
   // included), the product rounded to bf16 first. x must not overlap out.
+  // config (all three GEMV ops, at most 8 rows of x): [wr, wk, c, u], the kernel configuration to
+  // launch instead of the one decodex picks for the shape (csrc/gemv.cu: wr * wk <= 8 warps a block,
+  // clusters of c <= 8 blocks (1 below sm_90), u 4 or 8); the result is the same up to the order of
+  // the fp32 sums. For callers that time the step around the product (decodex's engine picks other
+  // configurations where long-context attention surrounds it).
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, bool accumulate=False) -> ()");
+        "float? rms_eps=None, bool accumulate=False, int[]? config=None) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
   // gemv_silu_mul_max_rows(x's device).
   m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None) -> ()");
+        "float? rms_eps=None, int[]? config=None) -> ()");
   // The most rows of x gemv_silu_mul takes on CUDA device `device`: 64 where its wgmma kernel runs
   // (an sm_90a build on a device of compute capability 9.0), else 8.
   m.def("gemv_silu_mul_max_rows(int device) -> int", &decodex::gemv_silu_mul_max_rows);
@@ -51,7 +56,7 @@ TORCH_LIBRARY(decodex, m) {
   // equal to gemv + rope_append bit for bit; M <= 8.
   m.def("gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, Tensor positions, "
         "Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, bool prefetch_weight=False, "
-        "float? rms_eps=None) -> ()");
+        "float? rms_eps=None, int[]? config=None) -> ()");
   // out[M,I] = silu(gate_up[M,:I]) * gate_up[M,I:]. rms_x [M, K] (with rms_eps): each gate_up row
   // is first scaled by 1/rms(rms_x row) = rsqrt(mean(x^2) + rms_eps) and rounded to bf16, as gemv's
   // rms_eps scales its product (for a gate|up product of x that cuBLAS computed unscaled).

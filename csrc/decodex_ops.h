@@ -25,21 +25,23 @@ using OptT = std::optional<T>;
 
 using OptD = std::optional<double>;
 
-// prefetch_weight, rms_eps, accumulate: see the schemas in csrc/bindings.cpp (the weight is not
-// written by the kernel just before this one on the stream; each product row is scaled by
-// 1/rms(x row); out += the product).
+using OptInts = at::OptionalIntArrayRef;
+
+// prefetch_weight, rms_eps, accumulate, config: see the schemas in csrc/bindings.cpp (the weight is
+// not written by the kernel just before this one on the stream; each product row is scaled by
+// 1/rms(x row); out += the product; the kernel configuration [wr, wk, c, u] to launch).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
                  bool prefetch_weight = false, OptD rms_eps = std::nullopt,
-                 bool accumulate = false) {
-  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool)>(
+                 bool accumulate = false, OptInts config = std::nullopt) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, OptInts)>(
       "decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate);
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, config);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,
-                          OptD rms_eps = std::nullopt) {
-  static auto h = detail::op<void(const T&, const T&, T&, bool, OptD)>("decodex::gemv_silu_mul");
-  h.call(x, weight, out, prefetch_weight, rms_eps);
+                          OptD rms_eps = std::nullopt, OptInts config = std::nullopt) {
+  static auto h = detail::op<void(const T&, const T&, T&, bool, OptD, OptInts)>("decodex::gemv_silu_mul");
+  h.call(x, weight, out, prefetch_weight, rms_eps, config);
 }
 
 // The most rows of x gemv_silu_mul takes on CUDA device `device` (64 or 8).
@@ -68,10 +70,11 @@ inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& posi
 
 inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, const T& inv_freq,
                              const T& positions, T& out, T& k_cache, T& v_cache,
-                             bool prefetch_weight = false, OptD rms_eps = std::nullopt) {
+                             bool prefetch_weight = false, OptD rms_eps = std::nullopt,
+                             OptInts config = std::nullopt) {
   static auto h = detail::op<void(const T&, const T&, const OptT&, const T&, const T&, T&, T&, T&,
-                                  bool, OptD)>("decodex::gemv_rope_append");
-  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, rms_eps);
+                                  bool, OptD, OptInts)>("decodex::gemv_rope_append");
+  h.call(x, weight, bias, inv_freq, positions, out, k_cache, v_cache, prefetch_weight, rms_eps, config);
 }
 
 inline void silu_mul(const T& gate_up, T& out, const OptT& rms_x = std::nullopt,

@@ -143,6 +143,17 @@ GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
   return best;
 }
 
+// Whether a configuration from outside the table is one the kernel has: wr, wk >= 1 with wr * wk
+// <= kMaxWarps warps, clusters of 1 to kMaxCluster (1 below sm_90), U 4 or 8.
+bool config_valid(const GemvConfig& cf, bool clusters) {
+  return cf.wr >= 1 && cf.wk >= 1 && cf.wr * cf.wk <= kMaxWarps && cf.c >= 1 && cf.c <= kMaxCluster &&
+         (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1);
+}
+// What config_valid asks, for its errors (evaluated only when a check fails).
+std::string config_needs() {
+  return msg(": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
+}
+
 // DECODEX_GEMV_CONFIG: a fixed configuration for tuning sweeps, either "wr,wk,c,u" for every
 // shape, or entries "N,K:wr,wk,c,u" separated by ';' for the shapes they name (N = weight rows, so
 // gate|up is 2I; a shape not named keeps its usual choice).
@@ -150,10 +161,8 @@ bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
   int v[4];
   if (!config_from_env("DECODEX_GEMV_CONFIG", "wr,wk,c,u", N, K, v, 4)) return false;
   cf = {v[0], v[1], v[2], v[3]};
-  DX_CHECK(cf.wr >= 1 && cf.wk >= 1 && cf.wr * cf.wk <= kMaxWarps && cf.c >= 1 &&
-               cf.c <= kMaxCluster && (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1),
-           "DECODEX_GEMV_CONFIG=\"", std::getenv("DECODEX_GEMV_CONFIG"), "\": need wr*wk <= ",
-           kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
+  DX_CHECK(config_valid(cf, clusters), "DECODEX_GEMV_CONFIG=\"", std::getenv("DECODEX_GEMV_CONFIG"), "\"",
+           config_needs());
   return true;
 }
 
@@ -258,13 +267,26 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 }
 
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
-                         bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
+                         bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
+                         at::OptionalIntArrayRef config) {
   DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",
            "kernel reads x while it writes out)");
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
   if (rms_eps.has_value()) o.rms_eps = check_rms_eps(op, *rms_eps);
+  if (config.has_value()) {
+    const c10::IntArrayRef v = *config;
+    DX_CHECK(v.size() == 4, "decodex::", op, ": config must be [wr, wk, c, u] (4 values), got ", v);
+    DX_CHECK(x.size(0) <= kMaxRows, "decodex::", op, ": config applies to at most ", kMaxRows,
+             " rows of x, got x of shape ", x.sizes());
+    std::array<int, 4> c{};
+    for (int i = 0; i < 4; ++i) {
+      DX_CHECK(v[i] >= 1 && v[i] <= 64, "decodex::", op, ": config values must be in [1, 64], got ", v);
+      c[i] = static_cast<int>(v[i]);
+    }
+    o.config = c;
+  }
   return o;
 }
 
@@ -287,7 +309,18 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
   // each of its squares' mmas per k-step cost (1,8,1,8) 3.6%. Since the squares of a whole trip
   // take one pair of mmas at M = 1 (kSpread), (1,8,1,8) is 1.1% faster there; session 25.)
   GemvConfig cf{};
-  if (!config_override(cf, rows, K, clusters)) {
+  std::optional<GemvConfig> given;  // the caller's (config), checked even where the knob wins
+  if (options.config.has_value()) {
+    const std::array<int, 4>& v = *options.config;
+    given = GemvConfig{v[0], v[1], v[2], v[3]};
+    DX_CHECK(config_valid(*given, clusters), "decodex::", op, ": config = [", v[0], ", ", v[1], ", ",
+             v[2], ", ", v[3], "] (wr, wk, c, u)", config_needs());
+  }
+  if (config_override(cf, rows, K, clusters)) {
+    // DECODEX_GEMV_CONFIG, the tuning knob, wins over config.
+  } else if (given.has_value()) {
+    cf = *given;
+  } else {
     // One choice per shape; a thread_local map needs no lock.
     thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
     const std::array<int64_t, 4> key{rows, K, M, device};
@@ -328,7 +361,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 // ---- host: the ops ----
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate) {
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
+          at::OptionalIntArrayRef config) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -337,7 +371,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   const GemvOptions options =
-      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate);
+      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate, config);
   if (N == 0) return;
   if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
@@ -347,7 +381,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, std::optional<double> rms_eps) {
+                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config) {
   check_gemv_x_weight("gemv_silu_mul", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), rows = weight.size(0);
   DX_CHECK(M <= gemv_silu_mul_max_rows(x.get_device()), "decodex::gemv_silu_mul: more than ",
@@ -357,7 +391,7 @@ void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   const GemvOptions options =
-      gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps);
+      gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps, false, config);
   if (rows == 0) return;
   if (M > kMaxRows) {
     launch_gemv_wide("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);

@@ -3,8 +3,10 @@
 // and picks an epilogue; the configuration and the launch are gemv.cu's.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
 #include <cuda_bf16.h>
 
+#include <array>
 #include <optional>
 
 namespace decodex {
@@ -36,6 +38,9 @@ struct GemvOptions {
   std::optional<float> rms_eps;
   // kStore only: out += the product (rounded to bf16 first, as gemv then an add would round).
   bool accumulate = false;
+  // (wr, wk, c, u) of gemv.cu's kernel, chosen by the caller (the schemas' `config`) instead of the
+  // built-in choice; DECODEX_GEMV_CONFIG, the tuning knob, still overrides it. At most 8 rows of x.
+  std::optional<std::array<int, 4>> config;
 };
 
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
@@ -53,11 +58,12 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 // checks its bias against q); returns its pointer (nullptr for none). lt_linear checks its bias so too.
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N, const char* x_name = "x");
-// The options from the schema arguments: rms_eps none or finite and >= 0, and x must not overlap
-// out (the kernel reads x while other blocks write out).
+// The options from the schema arguments: rms_eps none or finite and >= 0; config none or four
+// values for at most kMaxRows rows of x (launch_gemv checks them against the device); and x must
+// not overlap out (the kernel reads x while other blocks write out).
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps,
-                         bool accumulate = false);
+                         bool accumulate = false, at::OptionalIntArrayRef config = std::nullopt);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,

@@ -1,14 +1,17 @@
 // The host launchers of every decodex op, one per csrc/<op>.cu. bindings.cpp registers them.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
+
 #include <optional>
 
 namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate);
+          at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
+          at::OptionalIntArrayRef config);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, std::optional<double> rms_eps);
+                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config);
 int64_t gemv_silu_mul_max_rows(int64_t device);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
@@ -20,7 +23,8 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
-                      at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps);
+                      at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps,
+                      at::OptionalIntArrayRef config);
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at::Tensor>& rms_x,
               std::optional<double> rms_eps);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

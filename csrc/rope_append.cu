@@ -268,7 +268,8 @@ namespace decodex {
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,
-                      at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps) {
+                      at::Tensor& v_cache, bool prefetch_weight, std::optional<double> rms_eps,
+                      at::OptionalIntArrayRef config) {
   check_gemv_x_weight("gemv_rope_append", x, weight, out);
   DX_CHECK(k_cache.dim() == 4, "gemv_rope_append: k_cache must be 4-D [M, Hkv, S, D], got shape ",
            k_cache.sizes());
@@ -301,7 +302,7 @@ void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
   rope.S = static_cast<int>(S);
   rope.D = static_cast<int>(D);
   const GemvOptions options =
-      gemv_options("gemv_rope_append", x, out, prefetch_weight, rms_eps);
+      gemv_options("gemv_rope_append", x, out, prefetch_weight, rms_eps, false, config);
   launch_gemv("gemv_rope_append", x, weight, bias_ptr, out, GemvEpilogue::kRopeAppend, options,
               rope);
 }

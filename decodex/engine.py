@@ -69,6 +69,10 @@ Choices, and why:
   and silu_mul scale their rows by 1/rms(residual), so the norms cost no kernel there either.
 - First layer: the embedding is gathered straight into the residual buffer, where the eager
   model's residual starts too.
+- A GEMV's best configuration depends on the kernels around it. Where the attention merges its
+  splits in a second kernel (caches of more than about 2K tokens) graphs of 1 and 2 rows give the
+  products named in LONG_CACHE_GEMV the configuration measured best there (the GEMV ops' `config`);
+  on short caches each GEMV keeps its own table's choice.
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
   capture in the middle of a generation changes nothing.
 
@@ -120,6 +124,17 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
 PLAN_CONTEXT = 1024
 PLAN_MARGIN = 0.005
+# GEMV configurations [wr, wk, c, u] (csrc/gemv.cu) that the products of a graph of at most
+# LONG_CACHE_ROWS rows launch (the GEMV ops' `config`) where the attention merges its splits in the
+# combine kernel (more than CLUSTER_SPLITS splits: caches of more than about 2K tokens), keyed by
+# weight shape [N, K]; elsewhere each GEMV takes its own table's choice. Found by the in-step sweep
+# at 32K (bench.decode --sweep-gemv) and timed in the step (bench/RESULTS.md, session 29): Qwen2.5-
+# 1.5B's qkv and gate|up, at batch 1 1.9% faster at 8K, 1.3% at 16K and 0.9% at 32K, at batch 2
+# 0.6% at 32K; 2.1% slower at 1K, where the splits merge in a cluster. Qwen2.5-7B's sweep at 32K
+# found no shape over 0.4%.
+LONG_CACHE_GEMV = {(2048, 1536): (1, 6, 1, 4), (17920, 1536): (4, 1, 2, 4)}
+LONG_CACHE_ROWS = 2
+CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits take the combine kernel
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -545,6 +560,7 @@ class CudaGraphRunner(HostLoop):
                                   if "lt_linear" in self.plans else None)
             # The rows one gemv_silu_mul takes here: 64 where its wgmma kernel runs, else 8.
             self._silu_rows = int(torch.ops.decodex.gemv_silu_mul_max_rows(torch.cuda.current_device()))
+            self._clusters = torch.cuda.get_device_capability(dev)[0] >= 9  # GEMV configs with c > 1
             # Host side: the pinned ring the tokens land in, one event per slot.
             self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
@@ -624,6 +640,15 @@ class CudaGraphRunner(HostLoop):
             ops.rms_norm(residual, weight, self.eps, hidden)
         return hidden, None
 
+    def _gemv_config(self, n: int, w) -> list[int] | None:
+        """The GEMV ops' `config` for a product of n rows with weight w: LONG_CACHE_GEMV's entry for
+        w's shape where it applies (n <= LONG_CACHE_ROWS, the attention merging in the combine
+        kernel, and clusters on the device if the entry has them), else None (the GEMV's choice)."""
+        cfg = LONG_CACHE_GEMV.get(tuple(w.shape))
+        if cfg is None or n > LONG_CACHE_ROWS or self._splits[n] <= CLUSTER_SPLITS:
+            return None
+        return list(cfg) if cfg[2] == 1 or self._clusters else None
+
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
         rms_eps is given (gemv8 only)."""
@@ -631,7 +656,8 @@ class CudaGraphRunner(HostLoop):
             self._blas(n, name, x, w, b, out, accumulate=False)
             return
         for s in self._gemv_rows(n, name):
-            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps)
+            torch.ops.decodex.gemv(x[s], w, b, out[s], prefetch_weight=True, rms_eps=rms_eps,
+                                   config=self._gemv_config(n, w))
 
     def _blas(self, n: int, name: str, x, w, b, out, accumulate: bool) -> None:
         """out (+)= x @ w^T (+ b) by a BLAS plan: torch (cuBLAS, or cuBLASLt by blas_library) or
@@ -681,7 +707,8 @@ class CudaGraphRunner(HostLoop):
             return
         residual = self.residual[:n]
         for s in self._gemv_rows(n, name):
-            torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True)
+            torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True,
+                                   config=self._gemv_config(n, w))
 
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
@@ -702,7 +729,7 @@ class CudaGraphRunner(HostLoop):
             for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
                                                    qkv[s], k_cache[s], v_cache[s], prefetch_weight=True,
-                                                   rms_eps=rms_eps)
+                                                   rms_eps=rms_eps, config=self._gemv_config(n, layer.qkv_w))
 
     def _fused_rope_attention(self, n: int) -> bool:
         """Whether rope_append's work runs inside the attention kernel (rope_append_attention) in a
@@ -734,7 +761,8 @@ class CudaGraphRunner(HostLoop):
                                        rms_eps=rms_eps)
         else:
             for s in self._gemv_rows(n, "gate_up"):
-                torch.ops.decodex.gemv_silu_mul(x[s], w, act[s], prefetch_weight=True, rms_eps=rms_eps)
+                torch.ops.decodex.gemv_silu_mul(x[s], w, act[s], prefetch_weight=True, rms_eps=rms_eps,
+                                                config=self._gemv_config(n, w))
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""

@@ -296,6 +296,61 @@ def test_gemv_bad_config_override(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["1,6,1,4", "4,1,2,4", "2,3,1,8", "1,5,8,8"])
+@pytest.mark.parametrize("M", [1, 2, 8])
+def test_gemv_config_argument(monkeypatch, config, M):
+    """config launches the configuration it names: the same bits as that configuration forced through
+    DECODEX_GEMV_CONFIG, for gemv (plain, accumulate, rms_eps) and gemv_silu_mul (gemv_rope_append:
+    its own test file); and DECODEX_GEMV_CONFIG, the tuning knob, wins over it."""
+    cfg = [int(v) for v in config.split(",")]
+    if cfg[2] > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    N, K = 769, 1544
+    x, w, b = _inputs(M, N, K, bias=True)
+    base = (2.0 * torch.randn(M, N, device="cuda")).to(torch.bfloat16)
+    ops = torch.ops.decodex
+
+    def run(**kw):
+        outs = [_poisoned(M, N), base.clone(), _poisoned(M, N), _poisoned(M, 384)]
+        ops.gemv(x, w, b, outs[0], **kw)
+        ops.gemv(x, w, None, outs[1], accumulate=True, **kw)
+        ops.gemv(x, w, b, outs[2], rms_eps=1e-5, **kw)
+        ops.gemv_silu_mul(x, w[:768], outs[3], **kw)
+        torch.cuda.synchronize()
+        return outs
+
+    given = run(config=cfg)
+    _check(given[0], x, w, b)
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    forced = run()
+    for a, e in zip(given, forced):
+        assert torch.equal(a, e)
+    # The environment wins: with it naming another configuration, config changes nothing.
+    other = "1,1,1,4" if config != "1,1,1,4" else "2,2,1,8"
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", other)
+    for a, e in zip(run(config=cfg), run()):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.gpu
+def test_gemv_bad_config_argument():
+    ops = torch.ops.decodex
+    x, w, b = _inputs(2, 64, 64)
+    out = _poisoned(2, 64)
+    for bad in [[3, 3, 1, 4], [1, 1, 16, 4], [1, 1, 1, 5], [0, 1, 1, 4]]:
+        with pytest.raises(RuntimeError, match=r"decodex::gemv: config"):
+            ops.gemv(x, w, b, out, config=bad)
+        with pytest.raises(RuntimeError, match=r"decodex::gemv_silu_mul: config"):
+            ops.gemv_silu_mul(x, w, out[:, :32], config=bad)
+    for bad in [[1, 1, 1], [1, 1, 1, 4, 4], [1, 1, 1, 400]]:
+        with pytest.raises(RuntimeError, match=r"config must be \[wr, wk, c, u\]|config values must be in"):
+            ops.gemv(x, w, b, out, config=bad)
+    x9, _, _ = _inputs(9, 64, 64)
+    with pytest.raises(RuntimeError, match=r"config applies to at most 8 rows of x"):
+        ops.gemv(x9, w, b, _poisoned(9, 64), config=[1, 1, 1, 4])
+
+
+@pytest.mark.gpu
 def test_gemv_deterministic_and_m_independent():
     """Same inputs: bitwise the same output twice; and row m of an M = 8 call equals the M = 1 call
     on that row (each output is one fixed-order fp32 sum, whatever M)."""
@@ -579,7 +634,7 @@ def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, "
-                      "bool accumulate=False) -> ()"), schema
+                      "bool accumulate=False, int[]? config=None) -> ()"), schema
 
 
 @pytest.mark.ext
@@ -595,6 +650,7 @@ def test_gemv_fake_tensor_mode():
         assert torch.ops.decodex.gemv(x, w, b, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out) is None
         assert torch.ops.decodex.gemv(x, w, None, out, rms_eps=1e-6, accumulate=True) is None
+        assert torch.ops.decodex.gemv(x, w, b, out, config=[1, 6, 1, 4]) is None
 
 
 @pytest.mark.ext

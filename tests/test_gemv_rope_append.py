@@ -33,9 +33,10 @@ def _case(M, H, Hkv, D, K, S=64, bias=True, device="cuda"):
     return x, w, b, kc, vc, inv_freq
 
 
-def _fused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None):
+def _fused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None, config=None):
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
-    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, positions, out, kc, vc, rms_eps=rms_eps)
+    torch.ops.decodex.gemv_rope_append(x, w, b, inv_freq, positions, out, kc, vc, rms_eps=rms_eps,
+                                       config=config)
     return out
 
 
@@ -97,6 +98,25 @@ def test_gemv_rope_append_every_variant(monkeypatch, config):
         pytest.skip("thread-block clusters need sm_90")
     monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
     _compare(4, 9, 3, 64, 576, [1, 9, -1, 40])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["1,6,1,4", "2,2,4,8"])
+def test_gemv_rope_append_config_argument(monkeypatch, config):
+    """config launches the configuration it names: out and caches equal to that configuration forced
+    through DECODEX_GEMV_CONFIG."""
+    cfg = [int(v) for v in config.split(",")]
+    if cfg[2] > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    x, w, b, kc, vc, inv_freq = _case(3, 12, 2, 128, 1536)
+    pos = torch.tensor([5, 17, 63], dtype=torch.int32, device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = _fused(x, w, b, inv_freq, pos, kc, vc, config=cfg)
+    with pytest.raises(RuntimeError, match=r"decodex::gemv_rope_append: config"):
+        _fused(x, w, b, inv_freq, pos, kc.clone(), vc.clone(), config=[1, 1, 1, 3])
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", config)
+    want = _fused(x, w, b, inv_freq, pos, kc2, vc2)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 @pytest.mark.gpu
@@ -212,13 +232,14 @@ def test_gemv_rope_append_schema_and_fake():
     schema = str(torch.ops.decodex.gemv_rope_append.default._schema)
     assert schema == ("decodex::gemv_rope_append(Tensor x, Tensor weight, Tensor? bias, Tensor inv_freq, "
                       "Tensor positions, Tensor(a!) out, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-                      "bool prefetch_weight=False, float? rms_eps=None) -> ()"), schema
+                      "bool prefetch_weight=False, float? rms_eps=None, int[]? config=None) -> ()"), schema
     with FakeTensorMode():
         bf = dict(device="cuda", dtype=torch.bfloat16)
         args = (torch.empty(2, 40, **bf), torch.empty(80, 40, **bf), None,
                 torch.empty(8, device="cuda"), torch.empty(2, device="cuda", dtype=torch.int32),
                 torch.empty(2, 80, **bf), torch.empty(2, 1, 16, 16, **bf), torch.empty(2, 1, 16, 16, **bf))
         assert torch.ops.decodex.gemv_rope_append(*args) is None
+        assert torch.ops.decodex.gemv_rope_append(*args, config=[1, 6, 1, 4]) is None
 
 
 def test_reference_gemv_rope_append_cpu():

@@ -234,13 +234,14 @@ def test_gemv_silu_mul_schema_and_fake():
         torch.ops.decodex.gemv_silu_mul_max_rows(-1)
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
     assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
-                      "bool prefetch_weight=False, float? rms_eps=None) -> ()"), schema
+                      "bool prefetch_weight=False, float? rms_eps=None, int[]? config=None) -> ()"), schema
     with FakeTensorMode():
         x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(80, 136, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(3, 40, device="cuda", dtype=torch.bfloat16)
         assert torch.ops.decodex.gemv_silu_mul(x, w, out) is None
         assert torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=1e-6) is None
+        assert torch.ops.decodex.gemv_silu_mul(x, w, out, config=[4, 1, 2, 4]) is None
     meta = dict(device="meta", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.decodex.gemv_silu_mul.default,
                           (torch.empty(3, 136, **meta), torch.empty(80, 136, **meta), torch.empty(3, 40, **meta)),
