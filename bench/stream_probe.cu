@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
       printf("%3d SMs, %7zu B/block: %.0f GB/s (%.1f GB/s an SM), %.2f us %s\n", g, per_block,
              per_block * g / ms / 1e6, per_block / ms / 1e6, ms * 1e3, err ? cudaGetErrorString(err) : "");
     }
-    // The same with plain 16-byte loads, 1024 threads a block (the 100 KB of dynamic shared memory
+    // The same with plain 16-byte loads, 1024 threads a block (the 120 KB of dynamic shared memory
     // asked for and unused keeps it to one block an SM).
     cudaFuncSetAttribute(block_read_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 << 10);
     cudaFuncSetAttribute(block_read_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 << 10);
