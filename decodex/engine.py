@@ -130,8 +130,8 @@ PLAN_MARGIN = 0.005
 # weight shape [N, K]; elsewhere each GEMV takes its own table's choice. Found by the in-step sweep
 # at 32K (bench.decode --sweep-gemv) and timed in the step (bench/RESULTS.md, session 29): Qwen2.5-
 # 1.5B's qkv and gate|up, at batch 1 1.9% faster at 8K, 1.3% at 16K and 0.9% at 32K, at batch 2
-# 0.6% at 32K; 2.1% slower at 1K, where the splits merge in a cluster. Qwen2.5-7B's sweep at 32K
-# found no shape over 0.4%.
+# 0.6% at 32K, at batch 4 no faster; 2.1% slower at 1K, where the splits merge in a cluster.
+# Qwen2.5-7B's sweep at 32K found no shape over 0.4%.
 LONG_CACHE_GEMV = {(2048, 1536): (1, 6, 1, 4), (17920, 1536): (4, 1, 2, 4)}
 LONG_CACHE_ROWS = 2
 CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits take the combine kernel
