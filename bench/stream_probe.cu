@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(160, 2) ring_kernel(const unsigned char* __res
 }
 
 // The "sms" mode's plain read: block b reads its own per_block bytes with 16-byte loads, U in
-// flight a thread (1024 threads: U * 16 KB a block).
+// flight a thread (1024 threads: U * 16 KB a block). Not stream.cuh's read_kernel, whose 256-thread
+// blocks stride over the whole buffer: here one block must hold an SM's loads in flight alone.
 template <int U>
 __global__ void __launch_bounds__(1024, 1) block_read_kernel(const uint4* __restrict__ buf, int64_t n16_block,
                                                              float* sink) {

@@ -629,6 +629,16 @@ def test_long_cache_gemv_config_choice():
     assert runner._gemv_config(1, qkv) == list(engine.LONG_CACHE_GEMV[(2048, 1536)])
 
 
+@pytest.mark.ext
+def test_cluster_splits_is_the_attention_cluster_limit():
+    """engine.CLUSTER_SPLITS mirrors decode_attention.cu's kClusterSplits: a cache of 9-16
+    minimum-length splits is given that many splits (so that they merge in one cluster), one more
+    tile of 128 tokens gives more (the combine kernel). Runs on a CPU machine."""
+    splits = torch.ops.decodex.decode_attention_splits
+    assert splits(1, 2, 16 * 128, 132) == engine.CLUSTER_SPLITS
+    assert splits(1, 2, 17 * 128, 132) == 17 > engine.CLUSTER_SPLITS
+
+
 @pytest.mark.gpu
 def test_long_cache_gemv_configs_reach_the_products(monkeypatch):
     """LONG_CACHE_GEMV: with the splits merged in the combine kernel (a 2200-token cache: 17 splits)
