@@ -70,7 +70,7 @@ Choices, and why:
 - First layer: the embedding is gathered straight into the residual buffer, where the eager
   model's residual starts too.
 - A GEMV's best configuration depends on the kernels around it. Where the attention merges its
-  splits in a second kernel (caches of more than about 2K tokens) graphs of 1 and 2 rows give the
+  splits in a second kernel (caches of more than about 2K tokens) graphs of 1 or 2 rows give the
   products named in LONG_CACHE_GEMV the configuration measured best there (the GEMV ops' `config`);
   on short caches each GEMV keeps its own table's choice.
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
@@ -124,16 +124,20 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 # capacity; nothing is appended) and kept only where a change wins by PLAN_MARGIN (_refine_plans).
 PLAN_CONTEXT = 1024
 PLAN_MARGIN = 0.005
-# GEMV configurations [wr, wk, c, u] (csrc/gemv.cu) that the products of a graph of at most
-# LONG_CACHE_ROWS rows launch (the GEMV ops' `config`) where the attention merges its splits in the
-# combine kernel (more than CLUSTER_SPLITS splits: caches of more than about 2K tokens), keyed by
-# weight shape [N, K]; elsewhere each GEMV takes its own table's choice. Found by the in-step sweep
-# at 32K (bench.decode --sweep-gemv) and timed in the step (bench/RESULTS.md, session 29): Qwen2.5-
-# 1.5B's qkv and gate|up, at batch 1 1.9% faster at 8K, 1.3% at 16K and 0.9% at 32K, at batch 2
-# 0.6% at 32K, at batch 4 no faster; 2.1% slower at 1K, where the splits merge in a cluster.
-# Qwen2.5-7B's sweep at 32K found no shape over 0.4%.
-LONG_CACHE_GEMV = {(2048, 1536): (1, 6, 1, 4), (17920, 1536): (4, 1, 2, 4)}
-LONG_CACHE_ROWS = 2
+# GEMV configurations [wr, wk, c, u] (csrc/gemv.cu) that the products of small graphs launch (the
+# GEMV ops' `config`) where the attention merges its splits in the combine kernel (more than
+# CLUSTER_SPLITS splits: caches of more than about 2K tokens), keyed by weight shape [N, K]: (the
+# configuration, the most rows of a graph it serves); elsewhere each GEMV takes its own table's
+# choice. Found by the in-step sweep (bench.decode --sweep-gemv) and timed in the step
+# (bench/RESULTS.md): Qwen2.5-1.5B's qkv and gate|up (session 29), at batch 1 1.9% faster at 8K,
+# 1.3% at 16K and 0.9% at 32K, at batch 2 0.6% at 32K, at batch 4 no faster, 2.1% slower at 1K,
+# where the splits merge in a cluster; Qwen2.5-7B's gate|up (session 30), at batch 1 0.5% faster at
+# 8K and 1.0% at 32K, at batch 2 0.8% slower at 8K.
+LONG_CACHE_GEMV = {
+    (2048, 1536): ((1, 6, 1, 4), 2),
+    (17920, 1536): ((4, 1, 2, 4), 2),
+    (37888, 3584): ((1, 4, 1, 8), 1),
+}
 CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits take the combine kernel
 
 
@@ -642,10 +646,10 @@ class CudaGraphRunner(HostLoop):
 
     def _gemv_config(self, n: int, w) -> list[int] | None:
         """The GEMV ops' `config` for a product of n rows with weight w: LONG_CACHE_GEMV's entry for
-        w's shape where it applies (n <= LONG_CACHE_ROWS, the attention merging in the combine
+        w's shape where it applies (n at most the entry's rows, the attention merging in the combine
         kernel, and clusters on the device if the entry has them), else None (the GEMV's choice)."""
-        cfg = LONG_CACHE_GEMV.get(tuple(w.shape))
-        if cfg is None or n > LONG_CACHE_ROWS or self._splits[n] <= CLUSTER_SPLITS:
+        cfg, rows = LONG_CACHE_GEMV.get(tuple(w.shape), (None, 0))
+        if cfg is None or n > rows or self._splits[n] <= CLUSTER_SPLITS:
             return None
         return list(cfg) if cfg[2] == 1 or self._clusters else None
 

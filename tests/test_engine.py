@@ -608,7 +608,7 @@ def test_context_grows_past_capture_length_without_recapture():
 
 def test_long_cache_gemv_config_choice():
     """_gemv_config on a stand-in runner (no GPU): LONG_CACHE_GEMV's entry only for a named shape,
-    at most LONG_CACHE_ROWS rows, more than CLUSTER_SPLITS splits, and clusters where it has them."""
+    at most the entry's rows, more than CLUSTER_SPLITS splits, and clusters where it has them."""
 
     class Weight:
         def __init__(self, *shape):
@@ -617,16 +617,20 @@ def test_long_cache_gemv_config_choice():
     runner = object.__new__(engine.CudaGraphRunner)
     runner._splits = {1: 132, 2: 66, 4: 33, 8: 8}
     runner._clusters = True
-    qkv, gate_up = Weight(2048, 1536), Weight(17920, 1536)
-    assert runner._gemv_config(1, qkv) == list(engine.LONG_CACHE_GEMV[(2048, 1536)])
-    assert runner._gemv_config(2, gate_up) == list(engine.LONG_CACHE_GEMV[(17920, 1536)])
-    assert runner._gemv_config(4, qkv) is None  # more rows than LONG_CACHE_ROWS
+    qkv, gate_up, gate_up_7b = Weight(2048, 1536), Weight(17920, 1536), Weight(37888, 3584)
+    entry = {shape: list(cfg) for shape, (cfg, _) in engine.LONG_CACHE_GEMV.items()}
+    assert engine.LONG_CACHE_GEMV[(2048, 1536)][1] == 2 and engine.LONG_CACHE_GEMV[(37888, 3584)][1] == 1
+    assert runner._gemv_config(1, qkv) == entry[(2048, 1536)]
+    assert runner._gemv_config(2, gate_up) == entry[(17920, 1536)]
+    assert runner._gemv_config(4, qkv) is None  # more rows than the entry serves
+    assert runner._gemv_config(1, gate_up_7b) == entry[(37888, 3584)]
+    assert runner._gemv_config(2, gate_up_7b) is None  # this entry serves one row
     assert runner._gemv_config(1, Weight(1536, 1536)) is None  # a shape not named
     runner._splits = {1: 8}  # a short cache: the splits merge in a cluster
     assert runner._gemv_config(1, qkv) is None
     runner._splits, runner._clusters = {1: 132}, False  # no clusters: entries with c > 1 are left out
-    assert engine.LONG_CACHE_GEMV[(17920, 1536)][2] > 1 and runner._gemv_config(1, gate_up) is None
-    assert runner._gemv_config(1, qkv) == list(engine.LONG_CACHE_GEMV[(2048, 1536)])
+    assert engine.LONG_CACHE_GEMV[(17920, 1536)][0][2] > 1 and runner._gemv_config(1, gate_up) is None
+    assert runner._gemv_config(1, qkv) == entry[(2048, 1536)]
 
 
 @pytest.mark.ext
@@ -642,24 +646,26 @@ def test_cluster_splits_is_the_attention_cluster_limit():
 @pytest.mark.gpu
 def test_long_cache_gemv_configs_reach_the_products(monkeypatch):
     """LONG_CACHE_GEMV: with the splits merged in the combine kernel (a 2200-token cache: 17 splits)
-    and at most LONG_CACHE_ROWS rows, the products of the named shapes launch the configuration given
+    and at most the entry's rows, the products of the named shapes launch the configuration given
     (an impossible one fails, so it was passed), the step still matching the reference; a 1-row
-    graph on a short cache (8 splits, the cluster merge) and a 4-row graph pass none."""
+    graph on a short cache (8 splits, the cluster merge) and graphs of more rows than an entry
+    serves pass none."""
     m = models("qwen2-d128")
     layer = m.gpu.layers[0]
     qkv, gate_up = tuple(layer.qkv_w.shape), tuple(layer.gate_up_w.shape)
     for shape, op in [(qkv, "gemv_rope_append"), (gate_up, "gemv_silu_mul")]:
-        monkeypatch.setattr(engine, "LONG_CACHE_GEMV", {shape: (3, 3, 1, 4)})
+        monkeypatch.setattr(engine, "LONG_CACHE_GEMV", {shape: ((3, 3, 1, 4), 2)})
         runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=2200)
         with pytest.raises(RuntimeError, match=rf"decodex::{op}: config = \[3, 3, 1, 4\]"):
             runner.capture(1)
     c = 2 if torch.cuda.get_device_capability()[0] >= 9 else 1
-    monkeypatch.setattr(engine, "LONG_CACHE_GEMV", {qkv: (1, 2, 1, 4), gate_up: (2, 1, c, 4)})
+    monkeypatch.setattr(engine, "LONG_CACHE_GEMV", {qkv: ((1, 2, 1, 4), 2), gate_up: ((2, 1, c, 4), 1)})
     runner = engine.CudaGraphRunner(m.gpu, max_batch=4, capacity=2200)
     assert runner._splits[1] > engine.CLUSTER_SPLITS
-    assert runner._gemv_config(1, layer.qkv_w) == [1, 2, 1, 4]
-    assert runner._gemv_config(2, layer.gate_up_w) == [2, 1, c, 4]
-    assert runner._gemv_config(4, layer.qkv_w) is None  # more rows than LONG_CACHE_ROWS
+    assert runner._gemv_config(2, layer.qkv_w) == [1, 2, 1, 4]
+    assert runner._gemv_config(1, layer.gate_up_w) == [2, 1, c, 4]
+    assert runner._gemv_config(2, layer.gate_up_w) is None  # more rows than the entry serves
+    assert runner._gemv_config(4, layer.qkv_w) is None  # likewise
     assert runner._gemv_config(1, layer.o_w) is None  # a shape not named
     prompt = torch.randint(0, m.config.vocab_size, (37,)).tolist()
     run_and_check("qwen2 long-cache configs", m, runner, [prompt], steps=16)
