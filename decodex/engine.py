@@ -70,9 +70,10 @@ Choices, and why:
 - First layer: the embedding is gathered straight into the residual buffer, where the eager
   model's residual starts too.
 - A GEMV's best configuration depends on the kernels around it. Where the attention merges its
-  splits in a second kernel (caches of more than about 2K tokens) graphs of 1 or 2 rows give the
-  products named in LONG_CACHE_GEMV the configuration measured best there (the GEMV ops' `config`);
-  on short caches each GEMV keeps its own table's choice.
+  splits in a second kernel (caches of more than about 2K tokens) graphs of as many rows as an
+  entry of LONG_CACHE_GEMV serves (1 or 2) give the product of its shape the configuration
+  measured best there (the GEMV ops' `config`); on short caches each GEMV keeps its own table's
+  choice.
 - Warm-up before capture runs the step with every row dead (state saved and restored), so a
   capture in the middle of a generation changes nothing.
 
@@ -132,7 +133,7 @@ PLAN_MARGIN = 0.005
 # (bench/RESULTS.md): Qwen2.5-1.5B's qkv and gate|up (session 29), at batch 1 1.9% faster at 8K,
 # 1.3% at 16K and 0.9% at 32K, at batch 2 0.6% at 32K, at batch 4 no faster, 2.1% slower at 1K,
 # where the splits merge in a cluster; Qwen2.5-7B's gate|up (session 30), at batch 1 0.5% faster at
-# 8K and 1.0% at 32K, at batch 2 0.8% slower at 8K.
+# 8K and 0.5-1.0% at 32K (two runs), at batch 2 0.8% slower at 8K, at 1K 1.7% slower.
 LONG_CACHE_GEMV = {
     (2048, 1536): ((1, 6, 1, 4), 2),
     (17920, 1536): ((4, 1, 2, 4), 2),
