@@ -301,7 +301,8 @@ def test_gemv_bad_config_override(monkeypatch):
 def test_gemv_config_argument(monkeypatch, config, M):
     """config launches the configuration it names: the same bits as that configuration forced through
     DECODEX_GEMV_CONFIG, for gemv (plain, accumulate, rms_eps) and gemv_silu_mul (gemv_rope_append:
-    its own test file); and DECODEX_GEMV_CONFIG, the tuning knob, wins over it."""
+    its own test file). That config is launched at all, and that the knob wins over it: the test
+    below, on inputs whose bits tell the configurations apart."""
     cfg = [int(v) for v in config.split(",")]
     if cfg[2] > 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90")
@@ -325,11 +326,42 @@ def test_gemv_config_argument(monkeypatch, config, M):
     forced = run()
     for a, e in zip(given, forced):
         assert torch.equal(a, e)
-    # The environment wins: with it naming another configuration (one k-range, so other sums than
-    # every config above), config changes nothing.
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,1,1,4")
-    for a, e in zip(run(config=cfg), run()):
-        assert torch.equal(a, e)
+
+
+def _order_sensitive(N, K):
+    """x, one row of ones, and weight rows [2^30, 1, ..., 1, -2^30]: an fp32 partial sum that holds
+    +-2^30 (ulp 128) loses the ones added to it a k-step (32) at a time, while a k-range without
+    them counts its ones exactly; so the result depends on where the k-ranges split K, and stays
+    small enough (at most K) for bf16 to show it."""
+    x = torch.ones(1, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(N, K, device="cuda", dtype=torch.bfloat16)
+    w[:, 0], w[:, -1] = 2.0 ** 30, -(2.0 ** 30)
+    return x, w
+
+
+@pytest.mark.gpu
+def test_gemv_config_argument_is_launched(monkeypatch):
+    """On order-sensitive inputs the configurations of test_gemv_config_argument (6, 2, 3 and 40
+    k-ranges) do not all give the table's bits, so config is launched, not only checked; with
+    DECODEX_GEMV_CONFIG set, each gives the knob's bits (the knob wins)."""
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    configs = [[1, 6, 1, 4], [2, 3, 1, 8]] + ([[4, 1, 2, 4], [1, 5, 8, 8]] if clusters else [])
+    x, w = _order_sensitive(64, 1544)
+
+    def run(cfg):
+        out = _poisoned(1, 64)
+        torch.ops.decodex.gemv(x, w, None, out, config=cfg)
+        torch.cuda.synchronize()
+        return out
+
+    table = run(None)
+    own = [run(c) for c in configs]
+    assert any(not torch.equal(o, table) for o in own), "config changed no result"
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,1,1,4")  # one k-range
+    knob = run(None)
+    assert any(not torch.equal(o, knob) for o in own), "the knob's configuration is not told apart"
+    for c in configs:
+        assert torch.equal(run(c), knob)
 
 
 @pytest.mark.gpu
