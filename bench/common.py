@@ -2,8 +2,9 @@
 CUDA-graph replay over a rotating stack of inputs, and the printed table.
 
 L2-cold: the H200 has 60 MiB of L2. Each benchmark builds `copies` independent input sets whose total
-exceeds `COLD_BYTES`, captures one call per set into a single CUDA graph, and times replays of that
-graph with CUDA events; time per call = replay time / copies. Median of `reps` replays.
+exceeds `COLD_BYTES`, captures one call per set (cycled up to MIN_GRAPH_CALLS calls) into a single
+CUDA graph, and times replays of that graph queued back to back, with CUDA events between them; time
+per call = replay time / calls in the graph. Median of `reps` replays.
 """
 from __future__ import annotations
 
@@ -20,9 +21,25 @@ def copies_for(nbytes: int, minimum: int = 4, maximum: int = 512) -> int:
     return max(minimum, min(maximum, math.ceil(COLD_BYTES / max(nbytes, 1))))
 
 
-def time_graph(calls, reps: int = 30, warmup: int = 3) -> float:
+MIN_GRAPH_CALLS = 32  # calls a timed graph holds at least (its input sets cycled)
+
+
+def cycled(calls: list, min_calls: int) -> list:
+    """`calls` repeated in order, in whole passes, until there are at least `min_calls` of them."""
+    return list(calls) * max(1, math.ceil(min_calls / max(len(calls), 1)))
+
+
+def time_graph(calls, reps: int = 30, warmup: int = 3, min_calls: int = MIN_GRAPH_CALLS) -> float:
     """Median microseconds of one call, for `calls` a list of zero-argument callables (one per input
-    set), all captured into one CUDA graph and replayed back to back."""
+    set), in steady state: the calls, cycled until there are at least `min_calls` of them (each set is
+    still used once per pass over the stack, so every call stays L2-cold), are captured into one CUDA
+    graph, and `reps` replays are queued back to back with CUDA events between them, as the decode
+    step is timed (CudaGraphRunner.time_steps). The host's launch of a replay then overlaps the replay
+    ahead, and only the first call of a replay starts without its predecessor's tail to overlap
+    (programmatic dependent launch does not cross graph launches). Time per call = median replay time
+    / calls in the graph. (Until session 32 each replay of one pass was timed alone, so every timing
+    also paid for the launch of its graph onto an idle GPU: bench/RESULTS.md, session 32.)"""
+    seq = cycled(calls, min_calls)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -32,20 +49,17 @@ def time_graph(calls, reps: int = 30, warmup: int = 3) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for fn in calls:
+        for fn in seq:
             fn()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
     for _ in range(warmup):
         graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    events[0].record()
+    for i in range(reps):
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return statistics.median(times)
+        events[i + 1].record()
+    events[-1].synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) * 1000.0 / len(seq) for i in range(reps))
 
 
 def compare_row(label: str, nbytes: int, bw_gbs: float, make_inputs, ours, base, reps: int = 30) -> list:
@@ -78,8 +92,8 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     src = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32)
     dst = torch.empty_like(src)
     acc = torch.empty((), device="cuda", dtype=torch.float32)
-    copy_us = time_graph([lambda: dst.copy_(src)], reps=10)
-    read_us = time_graph([lambda: torch.sum(src, dim=0, out=acc)], reps=10)
+    copy_us = time_graph([lambda: dst.copy_(src)], reps=10, min_calls=1)
+    read_us = time_graph([lambda: torch.sum(src, dim=0, out=acc)], reps=10, min_calls=1)
     del src, dst
     torch.cuda.empty_cache()
     return max(2 * nbytes / copy_us, nbytes / read_us) / 1e3

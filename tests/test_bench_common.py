@@ -9,6 +9,16 @@ def test_copies_for_exceeds_the_cold_stack():
     assert bc.copies_for(1) == 512  # tiny sets are capped
 
 
+def test_cycled_repeats_whole_passes():
+    # A timed graph cycles its input sets in order, whole passes only, so every call still comes
+    # after all the other sets (L2-cold) and each set is used equally often.
+    assert bc.cycled(["a", "b", "c"], 8) == ["a", "b", "c"] * 3
+    assert bc.cycled(["a", "b"], 2) == ["a", "b"]
+    assert bc.cycled(list(range(40)), 32) == list(range(40))
+    assert bc.cycled(["a"], 1) == ["a"]
+    assert bc.cycled(["a"], bc.MIN_GRAPH_CALLS) == ["a"] * bc.MIN_GRAPH_CALLS
+
+
 def test_compare_row(monkeypatch):
     timed = []
 
