@@ -131,6 +131,17 @@ def linear_inputs(M: int, N: int, K: int, bias: bool = True, device="cuda"):
     return x, w, b
 
 
+def order_sensitive_inputs(N: int, K: int, device="cuda"):
+    """x, one row of ones, and weight rows [2^30, 1, ..., 1, -2^30] (bf16): an fp32 partial sum that
+    holds +-2^30 (ulp 128) loses the ones added to it a k-step (32) at a time, while a k-range without
+    them counts its ones exactly; so a GEMV's result depends on where its configuration's k-ranges
+    split K, and stays small enough (at most K) for bf16 to show it."""
+    x = torch.ones(1, K, device=device, dtype=torch.bfloat16)
+    w = torch.ones(N, K, device=device, dtype=torch.bfloat16)
+    w[:, 0], w[:, -1] = 2.0 ** 30, -(2.0 ** 30)
+    return x, w
+
+
 def norm_inputs(M: int, K: int, device="cuda"):
     """x with rows of different scales (rms from ~0.3 to ~5) and a norm weight ~ 1 + 0.2 N(0, 1)."""
     scale = torch.exp(torch.linspace(-1.2, 1.6, M, device=device))[:, None]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from decodex import reference
-from helpers import capture_graph, linear_inputs as _inputs, norm_inputs, wgmma_available
+from helpers import capture_graph, linear_inputs as _inputs, norm_inputs, order_sensitive_inputs, wgmma_available
 
 QUICK = bool(os.environ.get("DECODEX_TEST_QUICK"))  # under compute-sanitizer: fewer sizes, no cuBLAS check
 
@@ -328,17 +328,6 @@ def test_gemv_config_argument(monkeypatch, config, M):
         assert torch.equal(a, e)
 
 
-def _order_sensitive(N, K):
-    """x, one row of ones, and weight rows [2^30, 1, ..., 1, -2^30]: an fp32 partial sum that holds
-    +-2^30 (ulp 128) loses the ones added to it a k-step (32) at a time, while a k-range without
-    them counts its ones exactly; so the result depends on where the k-ranges split K, and stays
-    small enough (at most K) for bf16 to show it."""
-    x = torch.ones(1, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(N, K, device="cuda", dtype=torch.bfloat16)
-    w[:, 0], w[:, -1] = 2.0 ** 30, -(2.0 ** 30)
-    return x, w
-
-
 @pytest.mark.gpu
 def test_gemv_config_argument_is_launched(monkeypatch):
     """On order-sensitive inputs the configurations of test_gemv_config_argument (6, 2, 3 and 40
@@ -346,7 +335,7 @@ def test_gemv_config_argument_is_launched(monkeypatch):
     DECODEX_GEMV_CONFIG set, each gives the knob's bits (the knob wins)."""
     clusters = torch.cuda.get_device_capability()[0] >= 9
     configs = [[1, 6, 1, 4], [2, 3, 1, 8]] + ([[4, 1, 2, 4], [1, 5, 8, 8]] if clusters else [])
-    x, w = _order_sensitive(64, 1544)
+    x, w = order_sensitive_inputs(64, 1544)
 
     def run(cfg):
         out = _poisoned(1, 64)
