@@ -142,6 +142,23 @@ def order_sensitive_inputs(N: int, K: int, device="cuda"):
     return x, w
 
 
+def check_config_is_launched(run, monkeypatch) -> None:
+    """For run(config) -> a GEMV op's output on order_sensitive_inputs (config None: the op's own
+    choice): configurations of 6, 3, 2 and 40 k-ranges (the last two only with clusters, sm_90) do
+    not all give the table's bits, so config is launched, not only checked; and with
+    DECODEX_GEMV_CONFIG set (one k-range), each gives the knob's bits (the knob wins)."""
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    configs = [[1, 6, 1, 4], [2, 3, 1, 8]] + ([[4, 1, 2, 4], [1, 5, 8, 8]] if clusters else [])
+    table = run(None)
+    own = [run(c) for c in configs]
+    assert any(not torch.equal(o, table) for o in own), "config changed no result"
+    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,1,1,4")
+    knob = run(None)
+    assert any(not torch.equal(o, knob) for o in own), "the knob's configuration is not told apart"
+    for c in configs:
+        assert torch.equal(run(c), knob)
+
+
 def norm_inputs(M: int, K: int, device="cuda"):
     """x with rows of different scales (rms from ~0.3 to ~5) and a norm weight ~ 1 + 0.2 N(0, 1)."""
     scale = torch.exp(torch.linspace(-1.2, 1.6, M, device=device))[:, None]

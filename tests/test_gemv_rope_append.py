@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from decodex import reference
-from helpers import capture_graph, norm_inputs, order_sensitive_inputs
+from helpers import capture_graph, check_config_is_launched, norm_inputs, order_sensitive_inputs
 
 THETA = 1_000_000.0
 # (H, Hkv, D, K): Qwen2.5-1.5B, Qwen2.5-7B, a head dim 64 model, a small odd one.
@@ -122,13 +122,9 @@ def test_gemv_rope_append_config_argument(monkeypatch, config):
 
 @pytest.mark.gpu
 def test_gemv_rope_append_config_is_launched(monkeypatch):
-    """On order-sensitive inputs (helpers.order_sensitive_inputs, the 1.5B layout, no bias) the
-    configurations of test_gemv_config_argument_is_launched do not all give the table's bits, so
-    config is launched here too, not only checked (test_gemv_rope_append_config_argument compares
-    with the knob on random inputs, where k-splits nearly always round alike); with
-    DECODEX_GEMV_CONFIG set, each gives the knob's bits (the knob wins)."""
-    clusters = torch.cuda.get_device_capability()[0] >= 9
-    configs = [[1, 6, 1, 4], [2, 3, 1, 8]] + ([[4, 1, 2, 4], [1, 5, 8, 8]] if clusters else [])
+    """helpers.check_config_is_launched on the 1.5B layout (no bias): config is launched here too,
+    not only checked (test_gemv_rope_append_config_argument compares with the knob on random
+    inputs, where k-splits nearly always round alike), and the knob wins over it."""
     H, Hkv, D, K = 12, 2, 128, 1544
     x, w = order_sensitive_inputs((H + 2 * Hkv) * D, K)
     inv_freq = reference.rope_inv_freq(D, THETA, None).cuda()
@@ -140,14 +136,7 @@ def test_gemv_rope_append_config_is_launched(monkeypatch):
         torch.cuda.synchronize()
         return out
 
-    table = run(None)
-    own = [run(c) for c in configs]
-    assert any(not torch.equal(o, table) for o in own), "config changed no result"
-    monkeypatch.setenv("DECODEX_GEMV_CONFIG", "1,1,1,4")  # one k-range
-    knob = run(None)
-    assert any(not torch.equal(o, knob) for o in own), "the knob's configuration is not told apart"
-    for c in configs:
-        assert torch.equal(run(c), knob)
+    check_config_is_launched(run, monkeypatch)
 
 
 @pytest.mark.gpu
