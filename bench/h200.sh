@@ -30,22 +30,41 @@ if has test; then
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/test.log" | cut -c1-220 | head -60; tail -25 "$OUT/test.log" | cut -c1-300
 fi
 if has sanitize; then
-  # memcheck over every op test; racecheck in two parts (the GEMV tests alone take minutes under it).
-  # No -x for racecheck: hazards it reports inside cuBLAS (the tests' F.linear baseline) do not fail
-  # a test, and the summary lines name the kernels.
-  OP_TESTS=(tests/test_gemv_silu_mul.py tests/test_gemv_rope_append.py tests/test_decode_attention.py
-            tests/test_rms_norm.py tests/test_rope_append.py tests/test_silu_mul.py tests/test_argmax.py
-            tests/test_sample.py tests/test_advance_positions.py)
-  sanitize() {  # sanitize LOGNAME TOOL FILES...
-    local log="$OUT/sanitize_$1.log" tool=$2; shift 2
-    DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$log" 2>&1
-    echo "compute-sanitizer $tool ($*): exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1))"
-    grep -E "Race reported between" "$log" | sed -E 's/.*access at ([A-Za-z_0-9]+).*/  race in \1/' | sort | uniq -c
+  # compute-sanitizer (SANITIZE_TOOLS: memcheck, racecheck or both) over every op test file, each
+  # file cut into shards (`pytest --shard K/N`, tests/conftest.py) that run SANITIZE_JOBS processes
+  # at a time, longest first: one process per file outlasts a device call under racecheck. The
+  # counts are file:memcheck shards:racecheck shards; lt_linear is cuBLASLt's, so memcheck only (a
+  # racecheck count of 0). A shard's log is $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit.
+  SHARDS=(decode_attention:4:8 sample:1:6 gemv:2:4 rope_append_attention:2:4 gemv_silu_mul:1:3
+          lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:1 rope_append:1:1 silu_mul:1:1 argmax:1:1
+          advance_positions:1:1)
+  run_shard() {  # run_shard TOOL FILE K N
+    local log="$OUT/sanitize_$1_$2_$3of$4.log"
+    DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" --error-exitcode 1 \
+      python3 -m pytest -q -p no:cacheprovider -m gpu "tests/test_$2.py" --shard "$3/$4" > "$log" 2>&1
+    echo "exit $?" >> "$log"
   }
-  sanitize memcheck memcheck tests/test_gemv.py tests/test_lt_linear.py "${OP_TESTS[@]}"  # lt_linear: cuBLASLt, so memcheck only
-  sanitize racecheck racecheck "${OP_TESTS[@]}"
-  sanitize racecheck_gemv racecheck tests/test_gemv.py
+  export -f run_shard; export OUT SANITIZE_TIMEOUT
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    col=$([ "$tool" = memcheck ] && echo 2 || echo 3)
+    for spec in "${SHARDS[@]}"; do
+      n=$(echo "$spec" | cut -d: -f"$col")
+      for ((k = 0; k < n; k++)); do echo "$tool ${spec%%:*} $k $n"; done
+    done
+  done | xargs -P "${SANITIZE_JOBS:-14}" -L 1 bash -c 'run_shard "$@"' _
+  # One line per tool and file: shards that exited 0, tests passed and failed, the summaries.
+  count() { grep -oE "[0-9]+ $1" "$2" | tail -1 | cut -d' ' -f1; }
+  for log in "$OUT"/sanitize_*_0of*.log; do
+    stem=${log%_0of*.log}; name=${stem#"$OUT"/sanitize_}
+    ok=0; all=0; passed=0; failed=0
+    for s in "$stem"_[0-9]*of[0-9]*.log; do
+      all=$((all + 1)); [ "$(tail -1 "$s")" = "exit 0" ] && ok=$((ok + 1))
+      p=$(count passed "$s"); f=$(count failed "$s"); passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0}))
+    done
+    echo "compute-sanitizer $name: $ok of $all shards exit 0, $passed passed, $failed failed;" \
+      "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$stem"_[0-9]*of[0-9]*.log | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+    grep -hE "Race reported between" "$stem"_[0-9]*of[0-9]*.log | sed -E 's/.*access at ([A-Za-z_0-9]+).*/  race in \1/' | sort | uniq -c
+  done
 fi
 if [[ " ${steps[*]} " == *" ncu "* ]]; then  # only when asked for by name
   # Nsight Compute, clocks left alone, on one kernel call each (the third): a 1.5B gate|up GEMV
