@@ -32,12 +32,15 @@ fi
 if has sanitize; then
   # compute-sanitizer (SANITIZE_TOOLS: memcheck, racecheck or both) over every op test file, each
   # file cut into shards (`pytest --shard K/N`, tests/conftest.py) that run SANITIZE_JOBS processes
-  # at a time, longest first: one process per file outlasts a device call under racecheck. The
-  # counts are file:memcheck shards:racecheck shards; lt_linear is cuBLASLt's, so memcheck only (a
-  # racecheck count of 0). A shard's log is $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit.
-  SHARDS=(decode_attention:4:8 sample:1:6 gemv:2:4 rope_append_attention:2:4 gemv_silu_mul:1:3
-          lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:1 rope_append:1:1 silu_mul:1:1 argmax:1:1
-          advance_positions:1:1)
+  # at a time, longest first. SANITIZE_SHARDS lists file:memcheck shards:racecheck shards (a count
+  # of 0 leaves the file out: lt_linear is cuBLASLt's, so memcheck only). A shard's log is
+  # $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit. Measured on the H200 (bench/RESULTS.md,
+  # session 33): memcheck over every file takes 43 s with 15 jobs; racecheck shares the one GPU and
+  # is ~10x slower per test with 15 processes than alone, so the whole suite under racecheck takes
+  # more than one device call: run it a few files at a time (e.g. SANITIZE_SHARDS="decode_attention:0:12").
+  read -ra SHARDS <<< "${SANITIZE_SHARDS:-decode_attention:4:12 sample:1:6 gemv:2:8 rope_append_attention:2:4
+    gemv_silu_mul:1:6 lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:2 rope_append:1:2 silu_mul:1:1
+    argmax:1:1 advance_positions:1:1}"
   run_shard() {  # run_shard TOOL FILE K N
     local log="$OUT/sanitize_$1_$2_$3of$4.log"
     DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" --error-exitcode 1 \
@@ -45,15 +48,20 @@ if has sanitize; then
     echo "exit $?" >> "$log"
   }
   export -f run_shard; export OUT SANITIZE_TIMEOUT
+  jobs=""
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    [ "$tool" = memcheck ] || [ "$tool" = racecheck ] || { echo "SANITIZE_TOOLS: no tool '$tool'" >&2; exit 2; }
     col=$([ "$tool" = memcheck ] && echo 2 || echo 3)
     for spec in "${SHARDS[@]}"; do
+      [[ "$spec" =~ ^[a-z_]+:[0-9]+:[0-9]+$ ]] || { echo "SANITIZE_SHARDS: '$spec' is not file:memcheck:racecheck" >&2; exit 2; }
       n=$(echo "$spec" | cut -d: -f"$col")
-      for ((k = 0; k < n; k++)); do echo "$tool ${spec%%:*} $k $n"; done
+      for ((k = 0; k < n; k++)); do jobs+="$tool ${spec%%:*} $k $n"$'\n'; done
     done
-  done | xargs -P "${SANITIZE_JOBS:-14}" -L 1 bash -c 'run_shard "$@"' _
+  done
+  printf "%s" "$jobs" | xargs -P "${SANITIZE_JOBS:-14}" -L 1 bash -c 'run_shard "$@"' _
   # One line per tool and file: shards that exited 0, tests passed and failed, the summaries.
   count() { grep -oE "[0-9]+ $1" "$2" | tail -1 | cut -d' ' -f1; }
+  shopt -s nullglob
   for log in "$OUT"/sanitize_*_0of*.log; do
     stem=${log%_0of*.log}; name=${stem#"$OUT"/sanitize_}
     ok=0; all=0; passed=0; failed=0
