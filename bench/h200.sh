@@ -35,9 +35,9 @@ if has sanitize; then
   # at a time, longest first. SANITIZE_SHARDS lists file:memcheck shards:racecheck shards (a count
   # of 0 leaves the file out: lt_linear is cuBLASLt's, so memcheck only). A shard's log is
   # $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit. Measured on the H200 (bench/RESULTS.md,
-  # session 33): memcheck over every file takes 43 s with 15 jobs; racecheck shares the one GPU and
-  # is ~10x slower per test with 15 processes than alone, so the whole suite under racecheck takes
-  # more than one device call: run it a few files at a time (e.g. SANITIZE_SHARDS="decode_attention:0:12").
+  # session 33): memcheck over every file takes 43 s with 15 jobs; racecheck processes slow one another down on
+  # the one GPU (15 at once: rms_norm ran 19 of its 84 cases in 520 s), so the whole suite under
+  # racecheck takes more than one device call: run it a few files at a time (e.g. SANITIZE_SHARDS="decode_attention:0:12").
   read -ra SHARDS <<< "${SANITIZE_SHARDS:-decode_attention:4:12 sample:1:6 gemv:2:8 rope_append_attention:2:4
     gemv_silu_mul:1:6 lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:2 rope_append:1:2 silu_mul:1:1
     argmax:1:1 advance_positions:1:1}"
