@@ -15,8 +15,9 @@ import sys
 
 
 def _generate(args) -> int:
-    from decodex.generate import generate, load
+    from decodex.generate import SamplingParams, generate, load
 
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # bad values fail before loading
     model = load(args.model, device=args.device, dtype=args.dtype)
     stream = generate(model, args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -16,6 +16,8 @@ alone.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -29,11 +31,36 @@ from decodex.tokenizer import IncrementalDecoder, Tokenizer, read_json
 
 @dataclass
 class SamplingParams:
-    """temperature 0 (or less): greedy. top_k 0: no limit. top_p 1.0: no nucleus cut."""
+    """temperature 0 (or less): greedy. top_k 0: no limit. top_p 1.0: no nucleus cut.
+
+    Checked when made (a ValueError or TypeError naming the field): temperature finite; top_k an
+    int in [0, 2^31 - 1] (the kernels hold it as int32; any k at or above the vocabulary size is no
+    limit); top_p in (0, 1]; seed an int (any size: its low 64 bits key the draws)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+            setattr(self, name, float(v))
+        for name in ("top_k", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            setattr(self, name, int(v))
+        if not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be in [0, {_INT32_MAX}] (0: no limit), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus cut), got {self.top_p}")
+
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -255,6 +282,22 @@ def _resolve_model(model_or_path, device, dtype):
     return _MODEL_CACHE[key]
 
 
+def _stop_strings(stop) -> list[str]:
+    """generate's `stop`: None, a str, or an iterable of str -> the non-empty strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        stops = list(stop)
+    except TypeError:
+        raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}") from None
+    for s in stops:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must be a str or a list of str, got an item of type {type(s).__name__}")
+    return [s for s in stops if s]
+
+
 def _stop_scan(text: str, stops: list[str]) -> tuple[str, str, bool]:
     """(text safe to emit, text held back, stop found). Cuts before the earliest stop string; else
     holds back the longest end of `text` that could begin a stop string."""
@@ -409,8 +452,12 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
             model_or_path, prompt = None, model_or_path
         else:
             raise ValueError("generate() needs a prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    stops = _stop_strings(stop)
     model = _resolve_model(model_or_path, device, dtype)
     tok: Tokenizer = model.tokenizer
 
@@ -442,12 +489,8 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
     # Each sequence may hold at most max_pos tokens, prompt included.
     max_new = [min(max_new_tokens, max_pos - len(ids)) for ids in prompt_ids]
 
-    if isinstance(stop, str):
-        stop = [stop]
-    stops = [s for s in (stop or []) if s]
-    params = [SamplingParams(float(temperature), int(top_k), float(top_p), int(seed))] * len(prompts)
     stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)), sequences=len(prompts))
-    events = _events(model, prompt_ids, params, max_new, stops, stats)
+    events = _events(model, prompt_ids, [params] * len(prompts), max_new, stops, stats)
     if stream:
         return GenerationStream(events, stats, batched)
     pieces: list[list[str]] = [[] for _ in prompts]

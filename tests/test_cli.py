@@ -1,6 +1,7 @@
 """The `decodex` command: `generate` in a subprocess on the converted SmolLM2 (text on stdout, the
 stats line last on stderr), options in-process, errors, and `convert-gguf`. CPU only."""
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -58,6 +59,17 @@ def test_errors(capsys, tmp_path):
         cli.main(["generate"])  # the prompt is required
     with pytest.raises(SystemExit):
         cli.main([])
+
+
+@pytest.mark.parametrize("flag,value,match", [("--top-p", "0", "top_p must be in"),
+                                              ("--temperature", "nan", "temperature must be finite"),
+                                              ("--top-k", "-2", "top_k must be in")])
+def test_bad_sampling_values_fail_before_loading(capsys, monkeypatch, flag, value, match):
+    G = importlib.import_module("decodex.generate")  # the module, which decodex.generate (the function) hides
+    monkeypatch.setattr(G, "load", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    assert cli.main(["generate", "hi", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decodex: error:") and match in err
 
 
 def test_convert_gguf_subprocess(tmp_path):

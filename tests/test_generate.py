@@ -51,6 +51,40 @@ def test_stop_scan(text, stops, expected):
     assert G._stop_scan(text, stops) == expected
 
 
+# Checked before any model is loaded (model None would load the default one): each bad value
+# names its argument.
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be finite"),
+    (dict(temperature="0.7"), TypeError, "temperature must be a number"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.01), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), ValueError, "top_p must be finite"),
+    (dict(top_k=-1), ValueError, r"top_k must be in \[0, 2147483647\]"),
+    (dict(top_k=2**31), ValueError, r"top_k must be in \[0, 2147483647\]"),
+    (dict(top_k=8.0), TypeError, "top_k must be an int"),
+    (dict(seed=1.5), TypeError, "seed must be an int"),
+    (dict(seed=True), TypeError, "seed must be an int"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
+    (dict(stop=5), TypeError, "stop must be a str or a list of str, got int"),
+    (dict(stop=["ok", b"bytes"]), TypeError, "stop must be a str or a list of str, got an item of type bytes"),
+])
+def test_generate_rejects_bad_arguments(kwargs, error, match, monkeypatch):
+    monkeypatch.setattr(G, "_resolve_model", lambda *a: pytest.fail("the model was loaded before the check"))
+    with pytest.raises(error, match=match):
+        G.generate(None, "hello", **kwargs)
+
+
+def test_sampling_params_normalises_types_only():
+    p = G.SamplingParams(temperature=1, top_k=40, top_p=1, seed=2**70)
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (1.0, 40, 1.0, 2**70)
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    assert G.SamplingParams(temperature=-1.0).temperature == -1.0  # <= 0 is greedy, as documented
+    assert G._stop_strings(None) == [] and G._stop_strings("x") == ["x"]
+    assert G._stop_strings(("a", "", "b")) == ["a", "b"]  # empty strings never match: dropped
+
+
 def test_stats_summary_format():
     s = G.GenerationStats(prompt_tokens=5, new_tokens=33, sequences=1, time_to_first_token_s=0.041,
                           prefill_done_s=0.041, total_s=0.041 + 32 / 95.3)
