@@ -1056,9 +1056,9 @@ class CudaGraphRunner(HostLoop):
         self._join_caller()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
             ids = torch.tensor(prompt, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-            logits = self.model.prefill(ids, self.cache, row)  # [T, V] fp32
+            logits = self.model.prefill(ids, self.cache, row, last_only=True)  # [1, V] fp32: token T-1's
             self._set_params(row, params)
-            self.logits[row].copy_(logits[T - 1])  # rounded to bf16, like every decode step's logits
+            self.logits[row].copy_(logits[0])  # rounded to bf16, like every decode step's logits
             del logits
             self.positions[row].fill_(T - 1)
             greedy = float(getattr(params, "temperature", 0.0) or 0.0) <= 0.0

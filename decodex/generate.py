@@ -195,8 +195,9 @@ class ReferenceRunner:
                 raise ValueError(f"prompt {i}: {T} tokens + {max_new_tokens[i]} new exceed the "
                                  f"runner's capacity of {self.capacity} tokens")
             with torch.inference_mode():
-                logits = model.prefill(torch.tensor(prompt, dtype=torch.long), self.cache, slot=i)  # [T, V]
-                tok = self._sample(logits[-1:], [params[i]], [T - 1])[0]
+                logits = model.prefill(torch.tensor(prompt, dtype=torch.long), self.cache, slot=i,
+                                       last_only=True)  # [1, V]: token T-1's
+                tok = self._sample(logits, [params[i]], [T - 1])[0]
             count[i] = 1
             last[i], pos[i] = tok, T
             if tok in eos or count[i] >= max_new_tokens[i]:

@@ -220,9 +220,10 @@ class Model:
 
     # ---- the layer loop, shared by prefill and decode --------------------------------------------
 
-    def _forward(self, tokens: torch.Tensor, attend, ops) -> torch.Tensor:
-        """tokens [M] -> logits [M, V] fp32. attend(layer, q [M,H,D], k [M,Hkv,D], v [M,Hkv,D])
-        applies RoPE, writes the cache and returns the attention output [M, H*D]."""
+    def _forward(self, tokens: torch.Tensor, attend, ops, last_only: bool = False) -> torch.Tensor:
+        """tokens [M] -> logits [M, V] fp32 ([1, V], the last token's, with last_only). attend(layer,
+        q [M,H,D], k [M,Hkv,D], v [M,Hkv,D]) applies RoPE, writes the cache and returns the attention
+        output [M, H*D]."""
         c = self.config
         H, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         M = tokens.shape[0]
@@ -236,14 +237,18 @@ class Model:
             residual = ops.add(residual, ops.linear(attn, layer.o_w, layer.o_b))  # [M, Hd]
             act = ops.gate_up_silu(residual, layer.gate_up_w, rms_eps=eps)  # [M, I] = silu(gate) * up
             residual = ops.add(residual, ops.linear(act, layer.down_w))  # [M, Hd]
+        if last_only:
+            residual = residual[-1:]  # [1, Hd]
         h = ops.rms_norm(residual, self.final_norm, eps)  # [M, Hd]
         return ops.linear(h, self.lm_head).float()  # [M, V]
 
     # ---- prefill: the whole prompt of one sequence -----------------------------------------------
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, last_only: bool = False) -> torch.Tensor:
         """tokens [T] at positions 0..T-1 of batch slot `slot` -> logits [T, V] fp32; writes cache
-        rows 0..T-1 of that slot."""
+        rows 0..T-1 of that slot. last_only: logits [1, V] of the last token only, which is all
+        that generation needs; the final norm and LM head then run on that one row (at T = 32K and
+        a 152K vocabulary the [T, V] logits alone would take 20 GB in fp32)."""
         c = self.config
         tokens = torch.as_tensor(tokens).to(self.device, torch.long)
         if tokens.dim() != 1 or tokens.shape[0] < 1:
@@ -279,7 +284,7 @@ class Model:
             v_cache[slot, :, :T] = v.transpose(0, 1)
             return reference.causal_attention(q, k, v, self.scale).reshape(T, H * D)
 
-        return self._forward(tokens, attend, _KernelOps if self.use_kernels else _ReferenceOps)
+        return self._forward(tokens, attend, _KernelOps if self.use_kernels else _ReferenceOps, last_only)
 
     # ---- decode: one token for each sequence of the batch ----------------------------------------
 

@@ -67,6 +67,23 @@ def test_matches_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_prefill_last_only(model_type):
+    """last_only (what generation calls) gives the last row of the full logits and writes the same
+    cache rows."""
+    model = random_model(model_type)
+    V = model.config.vocab_size
+    ids = torch.randint(0, V, (13,))
+    caches = [model.new_cache(batch=2, capacity=16) for _ in range(2)]
+    full = model.prefill(ids, caches[0], 1)  # [T, V]
+    last = model.prefill(ids, caches[1], 1, last_only=True)
+    assert last.shape == (1, V) and last.dtype == torch.float32
+    # fp32 both ways; only the LM head's row count (and so its BLAS blocking) differs.
+    torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5 * full.abs().max().item())
+    for layer in range(len(model.layers)):
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_batch_decode_equals_single(model_type):
     """Two sequences of different lengths decoded in one batch give exactly the logits each gives
     alone; a skipped row (position -1) writes nothing and does not disturb the others."""
@@ -193,6 +210,10 @@ def test_kernel_path_matches_reference(case, prompt_len):
     got = gpu.prefill(ids.cuda(), caches[2], slot)
     tol = _check_step(f"{case} prefill (T={prompt_len})", got, base, want)
     assert not caches[2].k[0][0].any(), "prefill into slot 1 wrote slot 0"
+    # last_only (what generation calls): the last token's logits alone, the LM head on one row.
+    last = gpu.prefill(ids.cuda(), gpu.new_cache(batch=2, capacity=capacity), slot, last_only=True)
+    assert last.shape == (1, V)
+    _check_step(f"{case} prefill last_only (T={prompt_len})", last, base[-1:], want[-1:])
 
     near_ties = []
     for step in range(GPU_DECODE_STEPS):
