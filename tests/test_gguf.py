@@ -199,3 +199,94 @@ def test_rejects_other_architectures(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="gpt2"):
         dgguf.convert_gguf(path, tmp_path / "out", progress=False)
+
+
+def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0):
+    """A one-layer llama GGUF (fp32 weights, a 6-token byte-level BPE vocabulary) that converts and
+    loads; `meta` overrides llama.* integers, `drop` leaves metadata out (a key, or "tokens"),
+    `tensors` edits the {name: shape} map, `up_type` stores ffn_up as that raw GGML type, `bos` is
+    the BOS id (added to every encoding)."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    ints = dict({"embedding_length": 8, "feed_forward_length": 16, "block_count": 1,
+                 "attention.head_count": 2, "attention.head_count_kv": 1, "context_length": 32},
+                **(meta or {}))
+    for k, v in ints.items():
+        if k not in drop:
+            w.add_uint32(f"llama.{k}", v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if "tokens" not in drop:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["<s>", "</s>", "a", "b", "ab", "c"])
+        w.add_token_merges(["a b"])
+        w.add_token_types([3, 3, 1, 1, 1, 1])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    shapes = {"token_embd.weight": (6, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
+              "blk.0.ffn_norm.weight": (8,), "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8),
+              "blk.0.attn_v.weight": (4, 8), "blk.0.attn_output.weight": (8, 8),
+              "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+    for name, shape in (tensors(shapes) if tensors else shapes).items():
+        arr = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        if up_type is not None and name == "blk.0.ffn_up.weight":
+            w.add_tensor(name, arr.astype(np.int8), raw_dtype=up_type)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tiny_gguf_converts_and_loads(tmp_path):
+    from decodex.loader import load_model
+    out = dgguf.convert_gguf(_tiny_gguf(tmp_path / "t.gguf"), tmp_path / "out", progress=False)
+    assert load_model(out, device="cpu", quiet=True).config.num_key_value_heads == 1
+
+
+def _truncated(keep):
+    def make(path):
+        _tiny_gguf(path)
+        with open(path, "r+b") as f:
+            f.truncate(int(os.path.getsize(path) * keep) if keep < 1 else keep)
+        return path
+    return make
+
+
+@pytest.mark.parametrize("make, words", [
+    (_truncated(0.5), ["truncated or corrupt"]),  # tensor data cut short
+    (_truncated(0.05), ["truncated or corrupt"]),  # metadata cut short
+    (lambda p: (p.write_bytes(b"not a gguf file" * 8), p)[1], ["truncated or corrupt"]),
+    (lambda p: _tiny_gguf(p, meta={"attention.head_count": 0, "attention.head_count_kv": 0}),
+     ["llama.attention.head_count", "positive"]),
+    (lambda p: _tiny_gguf(p, drop=("tokens",)), ["tokenizer.ggml.model"]),
+    (lambda p: _tiny_gguf(p, bos=99), ["tokenizer.ggml.bos_token_id", "99"]),
+    (lambda p: _tiny_gguf(p, tensors=lambda s: {k: v for k, v in s.items() if k != "token_embd.weight"}),
+     ["missing tensor", "token_embd.weight"]),
+    (lambda p: _tiny_gguf(p, tensors=lambda s: {k: v for k, v in s.items() if k != "blk.0.ffn_down.weight"}),
+     ["missing tensor", "blk.0.ffn_down.weight"]),
+    (lambda p: _tiny_gguf(p, up_type=pytest.importorskip("gguf").GGMLQuantizationType.I8),
+     ["blk.0.ffn_up.weight", "I8"]),
+], ids=["data-cut", "metadata-cut", "not-gguf", "zero-heads", "no-vocabulary", "bos-out-of-range",
+        "no-embeddings", "no-ffn_down", "unsupported-type"])
+def test_bad_gguf(tmp_path, make, words):
+    """A cut-off, corrupt or incomplete GGUF is a LoadError naming the file (and the field or
+    tensor), not a bare IndexError / KeyError / ZeroDivisionError / NotImplementedError, and no
+    model.safetensors is left behind."""
+    from decodex.config import LoadError
+    path = make(tmp_path / "bad.gguf")
+    with pytest.raises(LoadError) as e:
+        dgguf.convert_gguf(path, tmp_path / "out", progress=False)
+    msg = str(e.value)
+    for word in [str(path)] + words:
+        assert word in msg, f"{word!r} not in {msg!r}"
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_gguf_path_not_a_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        dgguf.convert_gguf(tmp_path / "missing.gguf", tmp_path / "out", progress=False)
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        dgguf.convert_gguf(tmp_path, tmp_path / "out", progress=False)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from decodex.config import LoadError, ModelConfig
 from decodex.loader import load_model
-from helpers import make_tiny_checkpoint, random_model
+from helpers import LLAMA3_SCALING, make_tiny_checkpoint, random_model
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -67,6 +67,22 @@ def _load(path):
                         "high_freq_factor": 4.0}), ["rope_scaling.original_max_position_embeddings"]),
     (dict(mlp_bias=True), ["mlp_bias"]),
     (dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
+    # Values that parse but would give NaN/inf logits, a ZeroDivisionError or wrong positions.
+    (dict(rope_theta=0), ["rope_theta", "positive"]),
+    (dict(rope_theta=-10000.0), ["rope_theta", "positive"]),
+    (dict(rope_theta=float("nan")), ["rope_theta", "finite"]),  # json writes NaN, and reads it
+    (dict(rope_theta=_DELETE, rope_parameters={"rope_type": "default", "rope_theta": 0}),
+     ["rope_parameters.rope_theta", "positive"]),
+    (dict(rms_norm_eps=-1e-6), ["rms_norm_eps", "negative"]),
+    (dict(rms_norm_eps=float("inf")), ["rms_norm_eps", "finite"]),
+    (dict(rope_scaling=dict(LLAMA3_SCALING, low_freq_factor=0)), ["rope_scaling.low_freq_factor", "positive"]),
+    (dict(rope_scaling=dict(LLAMA3_SCALING, factor=-8.0)), ["rope_scaling.factor", "positive"]),
+    (dict(rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=0)),
+     ["rope_scaling.original_max_position_embeddings", "positive"]),
+    (dict(rope_scaling=dict(LLAMA3_SCALING, high_freq_factor=float("nan"))),
+     ["rope_scaling.high_freq_factor", "positive"]),
+    (dict(eos_token_id=2.0), ["eos_token_id", "integer"]),
+    (dict(model_type="qwen2", layer_types=5), ["layer_types", "list"]),
 ])
 def test_bad_config_field(checkpoints, tmp_path, change, words):
     path = _copy(checkpoints, "single", tmp_path)
@@ -99,6 +115,32 @@ def test_malformed_config_json(checkpoints, tmp_path):
 def test_missing_config(tmp_path):
     with pytest.raises(LoadError, match="config.json"):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize("kind, name, how", [("single", "config.json", "symlink loop"),
+                                             ("sharded", INDEX, "directory")])
+def test_unreadable_json_file(checkpoints, tmp_path, kind, name, how):
+    """open() fails with an OSError other than FileNotFoundError (a permission error is the usual
+    one; these fail alike for root)."""
+    path = _copy(checkpoints, kind, tmp_path)
+    f = os.path.join(path, name)
+    os.remove(f)
+    if how == "directory":
+        os.mkdir(f)
+    else:
+        os.symlink(name, f)
+    with pytest.raises(LoadError) as e:
+        _load(path)
+    assert f in str(e.value)
+
+
+@pytest.mark.parametrize("device, words", [("gpu0", ["'gpu0'", "not a torch device"]),
+                                           ("cuda:99", ["'cuda:99'", "not available"])])
+def test_bad_device(checkpoints, device, words):
+    with pytest.raises(ValueError) as e:
+        load_model(checkpoints["single"], device=device, quiet=True)
+    for word in words:
+        assert word in str(e.value), f"{word!r} not in {str(e.value)!r}"
 
 
 def test_old_and_new_config_dialects():

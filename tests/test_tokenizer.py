@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from _smollm import hf_tokenizer, smollm_dir
+from decodex.config import LoadError
 from decodex.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXTS = [
@@ -141,6 +142,70 @@ def test_from_dir_sources(tmp_path):
     assert Tokenizer.from_dir(d).apply_chat_template(CHATS[0]) == "JINJA" + CHATS[0][0]["content"]
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def _merged(name, **changes):
+    """Writes `name` as the SmolLM2 directory's copy with `changes` merged in (a dict file)."""
+    def write(d):
+        path = d / name
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(dict(old, **changes)))
+    return write
+
+
+def _raw(name, data: bytes):
+    return lambda d: (d / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("edit, file, words", [
+    (_raw("tokenizer.json", b'{"version": "1.0", '), "tokenizer.json", ["cannot read tokenizer"]),
+    (_raw("tokenizer.json", b'{"version": "1.0"}'), "tokenizer.json", ["cannot read tokenizer"]),
+    (_raw("tokenizer_config.json", b'{"eos_token": '), "tokenizer_config.json", ["malformed JSON"]),
+    (_raw("generation_config.json", b"\xff\xfe"), "generation_config.json", ["malformed JSON"]),
+    (_raw("chat_template.jinja", b"\xff{{ x }}"), "chat_template.jinja", ["UTF-8"]),
+    (_raw("chat_template.jinja", b"{% for m in messages %}{{ m.content }}"), "chat_template.jinja",
+     ["syntax error", "line 1"]),
+    # eos ids: a float crashed, `true` became token 1, a string was dropped silently
+    (_merged("generation_config.json", eos_token_id=2.0), "generation_config.json", ["eos_token_id", "2.0"]),
+    (_merged("generation_config.json", eos_token_id=True), "generation_config.json", ["eos_token_id", "True"]),
+    (_merged("generation_config.json", eos_token_id="<|im_end|>"), "generation_config.json", ["eos_token_id"]),
+    (_merged("generation_config.json", eos_token_id=[2, "0"]), "generation_config.json", ["eos_token_id"]),
+    (_merged("config.json", eos_token_id=2.0), "config.json", ["eos_token_id", "2.0"]),
+    # chat templates that are not text: rendering them crashed, or a chat prompt silently went raw
+    (_merged("tokenizer_config.json", chat_template=5), "tokenizer_config.json", ["chat_template", "string"]),
+    (_merged("tokenizer_config.json", chat_template={"default": "{{ x }}"}), "tokenizer_config.json",
+     ["chat_template", "string"]),
+    (_merged("tokenizer_config.json", chat_template=["{{ x }}"]), "tokenizer_config.json", ["chat_template"]),
+    (_merged("tokenizer_config.json", chat_template=[{"name": "default", "template": None}]),
+     "tokenizer_config.json", ["chat_template"]),
+    (_merged("tokenizer_config.json", chat_template=[{"name": "default", "template": "{% if %}"}]),
+     "tokenizer_config.json", ["chat_template", "syntax error"]),
+], ids=["tokenizer-cut", "tokenizer-no-model", "tokenizer_config-cut", "generation_config-binary",
+        "jinja-binary", "jinja-syntax", "eos-float", "eos-true", "eos-string", "eos-mixed-list",
+        "config-eos-float", "template-int", "template-dict", "template-list-of-str",
+        "template-named-null", "template-named-syntax"])
+def test_from_dir_bad_files(tmp_path, edit, file, words):
+    """A corrupt or wrong-typed file is a LoadError naming the file and field, raised when the
+    directory is read (not a bare tokenizers / json / jinja2 error, nor a value quietly dropped)."""
+    src = smollm_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    edit(tmp_path)
+    with pytest.raises(LoadError) as e:
+        Tokenizer.from_dir(tmp_path)
+    msg = str(e.value)
+    for word in [str(tmp_path / file)] + words:
+        assert word in msg, f"{word!r} not in {msg!r}"
+
+
+def test_named_chat_templates(tmp_path):
+    src = smollm_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), tmp_path)
+    _merged("tokenizer_config.json", chat_template=[{"name": "tool_use", "template": "T"},
+                                                    {"name": "default", "template": "D"}])(tmp_path)
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(CHATS[0]) == "D"
 
 
 STREAM_TEXTS = [
