@@ -328,8 +328,11 @@ class GenerationStream:
         self._batched = batched
 
     def __iter__(self):
-        for i, piece in self._events:
-            yield (i, piece) if self._batched else piece
+        return self
+
+    def __next__(self):  # an iterator, as documented: next(stream) gives the next piece
+        i, piece = next(self._events)
+        return (i, piece) if self._batched else piece
 
     def close(self):
         self._events.close()
@@ -416,7 +419,6 @@ def _events(model, prompt_ids, params, max_new, stops, stats) -> Iterator[tuple[
         stats.total_s = time.perf_counter() - start
         if first < B:
             stats.prefill_done_s = stats.total_s
-        model.last_generation_stats = stats
 
 
 def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -491,6 +493,9 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
     max_new = [min(max_new_tokens, max_pos - len(ids)) for ids in prompt_ids]
 
     stats = GenerationStats(prompt_tokens=sum(map(len, prompt_ids)), sequences=len(prompts))
+    # Set at the call (the object fills in as it runs), not when the events end: a stream left
+    # half way ends only when it is collected, and must not then replace a later call's stats.
+    model.last_generation_stats = stats
     events = _events(model, prompt_ids, [params] * len(prompts), max_new, stops, stats)
     if stream:
         return GenerationStream(events, stats, batched)

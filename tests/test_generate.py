@@ -2,6 +2,7 @@
 in fp32 with the ReferenceRunner: stop strings, EOS, streaming, seeds, batching, chat handling,
 context limits, the default model. Plus the stop-string scanner on its own, and on a GPU (marked)
 the same behaviour through the kernels and the CUDA-graph runner."""
+import gc
 import importlib
 
 import pytest
@@ -134,6 +135,32 @@ def test_stream_matches_non_stream(model):
     assert not any("\ufffd" in p for p in pieces)
     assert stream.stats.new_tokens == stats.new_tokens == 20
     assert stream.stats.time_to_first_token_s > 0 and stream.stats.tokens_per_s > 0
+
+
+def test_stream_is_an_iterator(model):
+    """next(stream) gives the first piece (the stream is documented as an iterator; it had only
+    __iter__, so next() raised TypeError); iterating on continues after it, and ends once."""
+    text = G.generate(model, STORY, max_new_tokens=6)
+    stream = G.generate(model, STORY, max_new_tokens=6, stream=True)
+    first = next(stream)
+    assert first and text.startswith(first)
+    assert first + "".join(stream) == text
+    assert list(stream) == [] and stream.stats.new_tokens == 6
+
+
+def test_abandoned_stream_keeps_later_stats(model):
+    """A stream left half way ends only when collected: that must not replace the stats of a
+    generate() call made meanwhile (model.last_generation_stats), nor keep the runner busy."""
+    stream = G.generate(model, STORY, max_new_tokens=8, stream=True)
+    for _ in stream:
+        break
+    text, stats = G.generate(model, CAPITAL, max_new_tokens=4, return_stats=True)
+    assert text and model.last_generation_stats is stats
+    del stream
+    gc.collect()
+    assert model.last_generation_stats is stats
+    assert not model._decodex_runner._decodex_busy
+    assert G.generate(model, CAPITAL, max_new_tokens=4) == text
 
 
 def test_stream_multibyte(model):
