@@ -98,10 +98,11 @@ inline void check_shape(const at::Tensor& t, const char* name, Sizes... sizes) {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// rms_eps of the ops that scale rows by 1/rms(x) = rsqrt(mean(x^2) + rms_eps): finite and >= 0.
-inline float check_rms_eps(const char* op, double rms_eps) {
-  DX_CHECK(std::isfinite(rms_eps) && rms_eps >= 0.0, "decodex::", op,
-           ": rms_eps must be finite and >= 0, got ", rms_eps);
+// rms_eps of the ops that scale rows by 1/rms(x) = rsqrt(mean(x^2) + rms_eps): finite and >= 0
+// (rms_norm's argument is called eps: `name`).
+inline float check_rms_eps(const char* op, double rms_eps, const char* name = "rms_eps") {
+  DX_CHECK(std::isfinite(rms_eps) && rms_eps >= 0.0, "decodex::", op, ": ", name,
+           " must be finite and >= 0, got ", rms_eps);
   return static_cast<float>(rms_eps);
 }
 

@@ -948,6 +948,11 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
               num_kv_heads);
   DX_CHECK(capacity >= 0, "decode_attention_splits: capacity must be >= 0, got ", capacity);
   DX_CHECK(sm_count >= 1, "decode_attention_splits: sm_count must be >= 1, got ", sm_count);
+  // Bounds that keep the products and sums below in int64 (no real GPU comes near them).
+  DX_CHECK(batch <= 0x7fffffff && num_kv_heads <= 0x7fffffff && capacity <= 0x7fffffff &&
+               sm_count <= 0x7fffffff,
+           "decode_attention_splits: batch, num_kv_heads, capacity and sm_count must be < 2^31, got ",
+           batch, ", ", num_kv_heads, ", ", capacity, ", ", sm_count);
   const int64_t pairs = batch * num_kv_heads;
   const int64_t fill = sm_count * kSplitBlocksPerSm / pairs;  // rounded down: one wave (group <= 8)
   const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
@@ -1067,6 +1072,10 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   DX_CHECK_ALIGNED16(v_cache);
   DX_CHECK_ALIGNED16(workspace);
   DX_CHECK_ALIGNED16(out);
+  DX_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  // A block writes out (the cluster merge, the combine) while others still read q or the workspace.
+  DX_CHECK(!spans_overlap(q, out), op, ": out must not overlap q");
+  DX_CHECK(!spans_overlap(workspace, out), op, ": workspace and out must not overlap");
 
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t splits = decode_attention_splits(std::max<int64_t>(B, 1), Hkv, S,

@@ -401,7 +401,13 @@ void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
 }
 
 int64_t gemv_silu_mul_max_rows(int64_t device) {
-  DX_CHECK(device >= 0, "gemv_silu_mul_max_rows: device must be a CUDA device index, got ", device);
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no GPU: count 0, and no error left for the next launch
+    count = 0;
+  }
+  DX_CHECK(device >= 0 && device < count, "gemv_silu_mul_max_rows: device must be a CUDA device index "
+           "(0 to ", count - 1, " here), got ", device);
   return gemv_wgmma_available(static_cast<int>(device)) ? kMaxRowsWide : kMaxRows;
 }
 

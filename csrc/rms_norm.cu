@@ -92,8 +92,10 @@ rms_norm_kernel(const __nv_bfloat16* __restrict__ x,  // [M, K], row stride x_st
 
 namespace {
 
-// x-like argument: [M, K] bf16 on the device of `ref`, inner dim contiguous, rows 16-byte aligned.
-void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t K, const at::Tensor& ref) {
+// x-like argument: [M, K] bf16 on the device of `ref`, inner dim contiguous, rows 16-byte aligned;
+// a written one (out, residual) also rows that do not overlap (each block writes its own row).
+void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t K, const at::Tensor& ref,
+                bool written = false) {
   DX_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
   DX_CHECK(t.device() == ref.device(), name, " must be on ", ref.device(), ", got ", t.device());
   DX_CHECK(t.scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t.scalar_type());
@@ -102,6 +104,8 @@ void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t K, con
   DX_CHECK(t.stride(1) == 1, name, " must be contiguous along K, got strides ", t.strides());
   DX_CHECK(t.stride(0) % 8 == 0 || M == 1, name,
               " row stride must be a multiple of 8 elements (16-byte rows), got ", t.stride(0));
+  DX_CHECK(!written || M == 1 || t.stride(0) >= K, name, " is written, so its rows must not overlap: ",
+              "row stride ", t.stride(0), " is less than K = ", K);
   DX_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
               " must be 16-byte aligned (its storage offset breaks vector loads)");
 }
@@ -114,8 +118,13 @@ void launch_norm(const at::Tensor& x, at::Tensor* residual, const at::Tensor& we
   DX_CHECK(K <= 8 * kNormMaxVecs * kNormMaxThreads, op, ": K = ", K, " is larger than the ",
               8 * kNormMaxVecs * kNormMaxThreads, " this kernel supports");
   check_rows(x, "x", M, K, x);
-  check_rows(out, "out", M, K, x);
-  if (residual) check_rows(*residual, "residual", M, K, x);
+  check_rows(out, "out", M, K, x, true);
+  if (residual) {
+    check_rows(*residual, "residual", M, K, x, true);
+    // A block writes its residual row, then its out row: shared bytes would lose the sum.
+    DX_CHECK(!spans_overlap(*residual, out), op, ": residual and out must not overlap in memory");
+  }
+  const float epsf = check_rms_eps(op, eps, "eps");
   DX_CHECK(weight.is_cuda() && weight.device() == x.device(), "weight must be on ", x.device(),
               ", got ", weight.device());
   DX_CHECK_DTYPE(weight, at::kBFloat16);
@@ -129,7 +138,6 @@ void launch_norm(const at::Tensor& x, at::Tensor* residual, const at::Tensor& we
   const int nvec = static_cast<int>(K / 8);
   const int nv = nvec <= 256 ? 1 : nvec <= 512 ? 2 : nvec <= 1024 ? 4 : 8;
   const int threads = ((nvec + nv - 1) / nv + 31) / 32 * 32;
-  const float epsf = static_cast<float>(eps);
   auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
   auto* rp = residual ? reinterpret_cast<__nv_bfloat16*>(residual->data_ptr()) : nullptr;
   const int64_t rs = residual ? residual->stride(0) : 0;

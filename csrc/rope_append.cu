@@ -219,7 +219,8 @@ RopeShapes check_rope_append(const char* op, const at::Tensor& q, const at::Tens
   check_cache(k_cache, "k_cache", B, Hkv, S, D, q);
   check_cache(v_cache, "v_cache", B, Hkv, S, D, q);
   check_rope_inputs(inv_freq, positions, B, D, q);
-  DX_CHECK(S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16), op, ": sizes too large");
+  DX_CHECK(B <= 0x7fffffff && S <= 0x7fffffff && H + 2 * Hkv <= 0x7fffffff / (D / 16), op,
+           ": sizes too large");  // B: one block a row (rows may share memory: stride(0) = 0)
   a.rx = check_rms_x(op, rms_x, rms_eps, B, q);
   a.bias = check_gemv_bias(bias, q, (H + 2 * Hkv) * D, "q");  // [q|k|v]
   return a;
@@ -327,6 +328,15 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   for (const at::Tensor* t : {&q, &k, &v}) {
     DX_CHECK(!spans_overlap(*t, out), "rope_append_attention: out must not overlap q, k or v");
   }
+  // Each row's blocks append its row pos while the other rows' blocks read their caches, so rows
+  // may not share cache memory (rope_append alone allows it: the prefill's expanded caches).
+  const int64_t cache_row = k_cache.size(1) * k_cache.size(2) * k_cache.size(3);  // Hkv * S * D
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    DX_CHECK(B <= 1 || c->stride(0) >= cache_row, "rope_append_attention: ",
+             c == &k_cache ? "k_cache" : "v_cache", " rows must not share memory: stride(0) = ",
+             c->stride(0), " is less than Hkv * S * D = ", cache_row);
+  }
+  DX_CHECK(!spans_overlap(k_cache, v_cache), "rope_append_attention: k_cache and v_cache must not overlap");
   DX_CHECK(!rms_x || !spans_overlap(*rms_x, out), "rope_append_attention: out must not overlap rms_x");
 
   AttnRope rope;

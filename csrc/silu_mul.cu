@@ -85,6 +85,8 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out, const std::optional<at
   DX_CHECK_ALIGNED16(out);
   DX_CHECK(I / 8 <= 0x7fffffff, "silu_mul: I too large");
   const RmsX rx = check_rms_x("silu_mul", rms_x, rms_eps, M, gate_up);
+  // Blocks read rms_x rows for their scale while others write out.
+  DX_CHECK(!rms_x || !spans_overlap(*rms_x, out), "silu_mul: out must not overlap rms_x");
   DX_CHECK(!rms_x || M <= 65535, "silu_mul: M = ", M,
            " rows is more than one grid column holds (65535) with rms_x");
   const int64_t total = M * (I / 8);

@@ -406,6 +406,25 @@ def test_rejects_wrong_out_shape():
 
 
 @pytest.mark.gpu
+def test_rejects_bad_scale_and_shared_outputs():
+    """A non-finite scale gives NaN rows; out written while other blocks read q or the workspace."""
+    for scale in (float("nan"), float("inf")):
+        args = _valid_args()
+        args[4] = scale
+        with pytest.raises(RuntimeError, match="decode_attention: scale must be finite"):
+            _ops().decode_attention(*args)
+    args = _valid_args()
+    args[6] = args[0]
+    with pytest.raises(RuntimeError, match="decode_attention: out must not overlap q"):
+        _ops().decode_attention(*args)
+    args = _valid_args()
+    B, H, D = args[0].shape
+    args[6] = args[5].view(-1).view(torch.bfloat16)[:B * H * D].view(B, H, D)  # out inside the workspace
+    with pytest.raises(RuntimeError, match="decode_attention: workspace and out must not overlap"):
+        _ops().decode_attention(*args)
+
+
+@pytest.mark.gpu
 def test_rejects_cpu_lengths_and_bad_cache_strides():
     args = _valid_args()
     args[3] = args[3].cpu()
@@ -454,6 +473,11 @@ def test_splits_heuristic_is_sane():
         f(0, 2, 100, sms)
     with pytest.raises(RuntimeError, match="sm_count must be >= 1"):
         f(1, 2, 100, 0)
+    # batch * num_kv_heads wrapped to 0 here and the division by it killed the process (SIGFPE).
+    for args in ((1 << 32, 1 << 32, 100, sms), (1, 2, 1 << 62, sms), (1, 2, 100, 1 << 40)):
+        with pytest.raises(RuntimeError, match="must be < 2\\^31"):
+            f(*args)
+    assert f(2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1) >= 1  # the largest accepted: no overflow
 
 
 @pytest.mark.ext

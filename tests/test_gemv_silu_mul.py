@@ -232,6 +232,10 @@ def test_gemv_silu_mul_schema_and_fake():
     assert rows_schema == "decodex::gemv_silu_mul_max_rows(int device) -> int", rows_schema
     with pytest.raises(RuntimeError, match="must be a CUDA device index"):
         torch.ops.decodex.gemv_silu_mul_max_rows(-1)
+    # A device that is not there (was: the answer 8, and a CUDA error left for the next launch).
+    missing = torch.cuda.device_count() + 3
+    with pytest.raises(RuntimeError, match=rf"must be a CUDA device index \(0 to {missing - 4} here\), got {missing}"):
+        torch.ops.decodex.gemv_silu_mul_max_rows(missing)
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
     assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, int[]? config=None) -> ()"), schema

@@ -220,6 +220,24 @@ def test_norms_reject_layouts():
 
 
 @pytest.mark.gpu
+def test_norms_reject_bad_eps_and_shared_outputs():
+    """eps as gemv's rms_eps is checked; written rows that share memory (a row stride under K, out
+    on top of residual) would race or lose the residual sum."""
+    rms, fused = torch.ops.decodex.rms_norm, torch.ops.decodex.fused_add_rms_norm
+    K = 64
+    x, w = _x(2, K), _w(K)
+    for eps in (float("nan"), float("inf"), -1e-6):
+        _raises(r"decodex::rms_norm: eps must be finite and >= 0", rms, x, w, eps, _poisoned(2, K))
+        _raises(r"decodex::fused_add_rms_norm: eps must be finite and >= 0", fused, x, _x(2, K), w, eps,
+                _poisoned(2, K))
+    _raises("out is written, so its rows must not overlap", rms, x, w, EPS, _poisoned(1, K).expand(2, K))
+    _raises("residual is written, so its rows must not overlap", fused, x, _x(1, K).expand(2, K), w, EPS,
+            _poisoned(2, K))
+    res = _x(2, K)
+    _raises("residual and out must not overlap", fused, x, res, w, EPS, res)
+
+
+@pytest.mark.gpu
 def test_norms_reject_devices():
     rms = torch.ops.decodex.rms_norm
     K = 64

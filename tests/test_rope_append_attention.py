@@ -186,6 +186,15 @@ def test_rejects():
 
     with pytest.raises(RuntimeError, match="out must not overlap q, k or v"):
         call(out=t["q"])
+    # Rows sharing a cache (rope_append's prefill pattern): a row's append races the others' reads.
+    with pytest.raises(RuntimeError, match=r"k_cache rows must not share memory: stride\(0\) = 0"):
+        call(k_cache=t["kc"][:1].expand(2, -1, -1, -1))
+    with pytest.raises(RuntimeError, match="v_cache rows must not share memory"):
+        call(v_cache=t["vc"][:1].expand(2, -1, -1, -1))
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must not overlap"):
+        call(v_cache=t["kc"])
+    with pytest.raises(RuntimeError, match="rope_append_attention: scale must be finite"):
+        call(scale=float("nan"))
     with pytest.raises(RuntimeError, match=r"head dim D = 32 \(q.size\(2\)\) is not supported"):
         q32 = torch.zeros(2, 12, 32, device="cuda", dtype=torch.bfloat16)
         call(q=q32)
