@@ -311,6 +311,11 @@ class HostLoop:
         """Like run(), for sequences whose cache rows the caller already filled (benchmarks):
         sequence i sits in row i with contexts[i] cached tokens and consumes first_tokens[i] next
         (which is yielded as its first token)."""
+        # zip below would drop the sequences past the shortest list without a word.
+        if not (len(contexts) == len(first_tokens) == len(params) == len(max_new_tokens)):
+            raise ValueError(f"contexts ({len(contexts)}), first_tokens ({len(first_tokens)}), params "
+                             f"({len(params)}) and max_new_tokens ({len(max_new_tokens)}) must have the "
+                             f"same length")
         if len(contexts) > self.max_batch:
             raise ValueError(f"{len(contexts)} loaded sequences exceed max_batch {self.max_batch}")
         seqs = []

@@ -307,6 +307,17 @@ def test_host_loop_run_loaded():
     assert len(got[2]) == 2  # context 99 of 100: one step
 
 
+def test_host_loop_run_loaded_lengths_must_match():
+    """A list shorter than the others is an error naming the lists, not a silently dropped sequence."""
+    r = FakeRunner(max_batch=4, capacity=100)
+    args = dict(contexts=[10, 20, 30], first_tokens=[1, 2, 3], params=[P()] * 3, max_new_tokens=[5] * 3)
+    for short in args:
+        bad = dict(args, **{short: args[short][:2]})
+        with pytest.raises(ValueError, match=f"{short} \\(2\\).*same length"):
+            collect(r.run_loaded(**bad))
+    assert not r._running
+
+
 def test_host_loop_abandoned_generator_leaves_no_live_row():
     r = FakeRunner(max_batch=4, capacity=128)
     gen = r.run(prompts_of([5, 6]), [P(), P()], [50, 50])
