@@ -95,7 +95,8 @@ from dataclasses import dataclass, field
 import torch
 
 from decodex import _ext, reference
-from decodex.model import GEMV_MAX_ROWS  # rows of x of the fused GEMVs and of rms_eps
+# GEMV_MAX_ROWS: rows of x of the fused GEMVs and of rms_eps
+from decodex.model import GEMV_MAX_ROWS, check_token_ids
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # Which products' GEMVs RMS-normalise their own input (rms_eps), tried per graph size of at most 8
@@ -1058,9 +1059,11 @@ class CudaGraphRunner(HostLoop):
         T = len(prompt)
         if not 0 < T <= self.capacity:
             raise ValueError(f"prompt of {T} tokens: must be 1 .. the cache capacity {self.capacity}")
+        ids = torch.tensor(prompt, dtype=torch.int64)  # [T], checked here while still on the host
+        check_token_ids(ids, self.model.config.vocab_size, "prompt")
         self._join_caller()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
-            ids = torch.tensor(prompt, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
             logits = self.model.prefill(ids, self.cache, row, last_only=True)  # [1, V] fp32: token T-1's
             self._set_params(row, params)
             self.logits[row].copy_(logits[0])  # rounded to bf16, like every decode step's logits
@@ -1076,6 +1079,7 @@ class CudaGraphRunner(HostLoop):
         position `context` next (benchmarks: no prefill needed)."""
         if not 0 <= context < self.capacity:
             raise ValueError(f"context {context} must be in [0, {self.capacity})")
+        check_token_ids(torch.tensor([int(token)]), self.model.config.vocab_size, "first token")
         self._join_caller()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self._set_params(row, params)

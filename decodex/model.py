@@ -67,6 +67,18 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Token ids outside [0, vocab_size) would index the embedding out of bounds (on a GPU, a
+    device-side assert that ends the process's CUDA context): a ValueError naming `what` instead.
+    Reads the ids on the host (a sync if they are on a GPU)."""
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{what}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
 class _ReferenceOps:
     """decodex.reference: fp32 math, results rounded to the input dtype."""
 
@@ -248,11 +260,16 @@ class Model:
         """tokens [T] at positions 0..T-1 of batch slot `slot` -> logits [T, V] fp32; writes cache
         rows 0..T-1 of that slot. last_only: logits [1, V] of the last token only, which is all
         that generation needs; the final norm and LM head then run on that one row (at T = 32K and
-        a 152K vocabulary the [T, V] logits alone would take 20 GB in fp32)."""
+        a 152K vocabulary the [T, V] logits alone would take 20 GB in fp32). Token ids given on the
+        host are checked against the vocabulary; ids already on a GPU are the caller's to check
+        (reading them would synchronise: the engine checks its prompts before they go there)."""
         c = self.config
-        tokens = torch.as_tensor(tokens).to(self.device, torch.long)
+        tokens = torch.as_tensor(tokens)
         if tokens.dim() != 1 or tokens.shape[0] < 1:
             raise ValueError(f"prefill takes a non-empty 1-D token tensor, got shape {list(tokens.shape)}")
+        if tokens.device.type == "cpu":
+            check_token_ids(tokens, c.vocab_size, "prefill")
+        tokens = tokens.to(self.device, torch.long)
         T = tokens.shape[0]
         if T > cache.capacity:
             raise ValueError(f"prompt of {T} tokens exceeds the KV cache capacity of {cache.capacity} tokens")
@@ -307,6 +324,7 @@ class Model:
             what = (f"the KV cache capacity of {cache.capacity}" if cache.capacity <= c.max_position_embeddings
                     else f"the model's context of max_position_embeddings={c.max_position_embeddings}")
             raise ValueError(f"position {last} is past {what} tokens")
+        check_token_ids(tokens[positions >= 0], c.vocab_size, "decode")
         tokens = torch.where(positions >= 0, tokens, 0)  # skipped rows may hold any token id
         lengths = (positions + 1).clamp(min=0)  # [B] int32: cache rows each query attends over
         H, D = c.num_attention_heads, c.head_dim

@@ -415,6 +415,21 @@ def run_and_check(label, m, runner, prompts, steps, greedy=True, params=None):
 
 
 @pytest.mark.gpu
+def test_runner_rejects_token_ids_outside_the_vocabulary():
+    """Checked on the host before they reach the device (an out-of-range id would index the
+    embedding out of bounds: a device-side assert)."""
+    m = models("qwen2-d128")
+    V = m.config.vocab_size
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=32)
+    with pytest.raises(ValueError, match=f"prompt: token id {V} is outside the vocabulary"):
+        runner.prefill_row(0, [1, V, 2])
+    with pytest.raises(ValueError, match="first token: token id -1 is outside the vocabulary"):
+        runner.load_row(0, 4, -1)
+    runner.prefill_row(0, [1, V - 1, 2])  # the runner still works
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_graph_logits_match_fp32_reference(name):
     m = models(name)

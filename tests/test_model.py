@@ -83,6 +83,23 @@ def test_prefill_last_only(model_type):
         assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
 
 
+def test_token_ids_outside_the_vocabulary_are_errors():
+    """An id outside [0, V) would index the embedding out of bounds (a device-side assert on a GPU);
+    a skipped decode row (position -1) may still hold any id."""
+    model = random_model("llama")
+    V = model.config.vocab_size
+    cache = model.new_cache(batch=2, capacity=16)
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=f"prefill: token id {bad} is outside the vocabulary \\[0, {V}\\)"):
+            model.prefill(torch.tensor([1, bad, 2]), cache, 0)
+        with pytest.raises(ValueError, match=f"prefill: token id {bad} is outside"):
+            model.prefill([3, bad], cache, 0)
+    model.prefill(torch.tensor([1, V - 1]), cache, 0)
+    with pytest.raises(ValueError, match=f"decode: token id {V} is outside the vocabulary"):
+        model.decode(torch.tensor([V, 1]), torch.tensor([2, 0], dtype=torch.int32), cache)
+    model.decode(torch.tensor([5, V + 3]), torch.tensor([2, -1], dtype=torch.int32), cache)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_batch_decode_equals_single(model_type):
     """Two sequences of different lengths decoded in one batch give exactly the logits each gives
