@@ -29,6 +29,9 @@ from decodex import _ext, reference
 from decodex.tokenizer import IncrementalDecoder, Tokenizer, read_json
 
 
+_INT32_MAX = 2**31 - 1  # the kernels hold top_k as int32
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 (or less): greedy. top_k 0: no limit. top_p 1.0: no nucleus cut.
@@ -58,9 +61,6 @@ class SamplingParams:
             raise ValueError(f"top_k must be in [0, {_INT32_MAX}] (0: no limit), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1: no nucleus cut), got {self.top_p}")
-
-
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass
