@@ -464,3 +464,55 @@ def test_random_model(monkeypatch, device, model_type, graph):
     if not (graph and device == "cuda"):  # same runner: the same draws (graph vs eager: test_engine)
         text = G.generate(model, prompts[1], max_new_tokens=n, temperature=1.0, seed=5)
         assert text == model.tokenizer.decode([t for t in raw if t != 2])
+
+
+# ---- gaps found by mutation testing ----------------------------------------------------------------
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("ab", ["abc", "bd"], ("", "ab", False)),  # a later stop's shorter partial match must not shrink it
+    ("xab", ["bd", "abc"], ("x", "ab", False)),
+])
+def test_stop_scan_holds_the_longest_partial_match(text, stops, expected):
+    assert G._stop_scan(text, stops) == expected
+
+
+def test_events_stats_and_stop_with_a_scripted_runner(monkeypatch):
+    """The host loop on a scripted runner and clock (no model): time to first token is the first
+    sequence's first token, prefill_done_s the moment the LAST sequence got its first one, total_s
+    the end; a stop string ends its sequence and asks the runner to stop it; a stream closed before
+    every sequence started has prefill_done_s = total_s."""
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(G.time, "perf_counter", lambda: clock[0])
+    script = [(1.0, [(0, "a")]), (3.0, [(1, "x")]), (4.0, [(0, "c"), (1, "y")]), (5.0, [(0, "d"), (1, "z")]),
+              (6.0, [(1, "w")])]
+
+    class Runner:
+        def __init__(self):
+            self.stopped = []
+
+        def stop(self, i):
+            self.stopped.append(i)
+
+        def run(self, prompts, params, max_new):
+            for t, batch in script:
+                clock[0] = t
+                yield [(i, ord(ch)) for i, ch in batch]  # byte tokenizer: id = byte
+
+    runner = Runner()
+    monkeypatch.setattr(G, "_runner_for", lambda model, batch, capacity: runner)
+    model = SimpleNamespace(tokenizer=_byte_tokenizer(), eos_token_ids=[2])
+    stats = G.GenerationStats(sequences=2)
+    texts = ["", ""]
+    for i, piece in G._events(model, [[1], [1]], [G.SamplingParams()] * 2, [4, 4], ["cd"], stats):
+        texts[i] += piece
+    assert texts == ["a", "xyzw"] and runner.stopped == [0]
+    assert (stats.time_to_first_token_s, stats.prefill_done_s, stats.total_s) == (1.0, 3.0, 6.0)
+    assert stats.new_tokens == 7 and stats.tokens_per_s == (7 - 2) / (6.0 - 3.0)
+    # closed after the first piece: sequence 1 never started
+    clock[0] = 0.0
+    stats = G.GenerationStats(sequences=2)
+    events = G._events(model, [[1], [1]], [G.SamplingParams()] * 2, [4, 4], [], stats)
+    assert next(events) == (0, "a")
+    events.close()
+    assert stats.total_s == 1.0 and stats.prefill_done_s == 1.0

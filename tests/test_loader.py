@@ -167,6 +167,21 @@ def test_old_and_new_config_dialects():
     assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.rope_scaling is None
 
 
+def test_llama3_scaling_fields_kept_and_checked():
+    """Found by mutation testing: the llama3 fields are kept as given (not truncated), equal
+    high/low frequency factors are refused (the band interpolation divides by their difference),
+    and rms_norm_eps = 0 is allowed (only a negative one is refused)."""
+    base = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=160,
+                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+    scaling = dict(rope_type="llama3", factor=2.5, low_freq_factor=1.5, high_freq_factor=4.25,
+                   original_max_position_embeddings=64)
+    got = ModelConfig.from_dict(dict(base, rope_scaling=scaling)).rope_scaling
+    assert got == scaling and isinstance(got["factor"], float)
+    with pytest.raises(LoadError, match="rope_scaling.high_freq_factor' must exceed low_freq_factor"):
+        ModelConfig.from_dict(dict(base, rope_scaling=dict(scaling, high_freq_factor=1.5)))
+    assert ModelConfig.from_dict(dict(base, rms_norm_eps=0.0)).rms_norm_eps == 0.0
+
+
 # ---- safetensors files ---------------------------------------------------------------------------
 
 def test_loads_and_casts(checkpoints):
@@ -325,3 +340,18 @@ def test_decode_past_limits():
         model.decode(torch.zeros(1, dtype=torch.long), torch.tensor([20], dtype=torch.int32), big)
     with pytest.raises(ValueError, match="slot 2"):
         model.prefill(torch.zeros(3, dtype=torch.long), small, 2)
+
+
+def test_decode_position_past_the_limit():
+    """decode at the cache's last row is fine, one past it is a ValueError naming the limit (the
+    capacity, or max_position_embeddings when that is the smaller); found by mutation testing: the
+    prefill limits were tested, decode's were not."""
+    model = random_model("llama", max_position_embeddings=12)
+    tok = torch.tensor([1])
+    model.decode(tok, torch.tensor([7], dtype=torch.int32), model.new_cache(batch=1, capacity=8))
+    with pytest.raises(ValueError, match="position 8 is past the KV cache capacity of 8"):
+        model.decode(tok, torch.tensor([8], dtype=torch.int32), model.new_cache(batch=1, capacity=8))
+    cache = model.new_cache(batch=1, capacity=32)
+    model.decode(tok, torch.tensor([11], dtype=torch.int32), cache)
+    with pytest.raises(ValueError, match="position 12 is past the model's context of max_position_embeddings=12"):
+        model.decode(tok, torch.tensor([12], dtype=torch.int32), cache)

@@ -168,3 +168,142 @@ def test_uniform_is_a_fixed_function_of_seed_and_position():
 def test_advance_positions_by_hand():
     pos, lens = ref.advance_positions(torch.tensor([0, 5, -1]), torch.tensor([1, 6, 0]))
     assert pos.tolist() == [1, 6, -1] and lens.tolist() == [2, 7, 0]
+
+
+# ---- gaps found by mutation testing: each test below fails on a plausible one-token change of the
+# reference that the tests above let through.
+
+def test_rms_norm_eps_by_hand():
+    # mean([3^2, 4^2]) + eps = 12.5 + 3.5 = 16: the row is divided by 4 exactly. An eps of 1e-6 on
+    # unit-scale rows (every other test) moves the result by ~1e-7 relative: a dropped eps passes.
+    x = torch.tensor([[3.0, 4.0]])
+    assert torch.equal(ref.rms_norm(x, torch.tensor([1.0, 2.0]), 3.5), torch.tensor([[0.75, 2.0]]))
+    assert torch.equal(ref.inv_rms(x, 3.5), torch.tensor([[0.25]]))
+    # gemv's rms_eps and silu_mul's / rope_append's rms_x scale by the same 1/rms.
+    assert torch.equal(ref.gemv(x, torch.eye(2), rms_eps=3.5), torch.tensor([[0.75, 1.0]]))
+    assert torch.equal(ref.scale_rows(torch.tensor([[8.0]]), torch.float32, x, 3.5), torch.tensor([[2.0]]))
+
+
+def test_bf16_results_are_the_fp32_results_rounded_once():
+    """On bf16 inputs each op returns its fp32 result on the same (bf16) values, rounded to bf16 once,
+    bit for bit: no intermediate rounding (rms_norm rounding x / rms before the weight, say, is off by
+    an ulp in a good share of the elements). Odd sizes, fresh random inputs."""
+    bf = torch.bfloat16
+    x, w = torch.randn(5, 37).to(bf), (1 + 0.3 * torch.randn(37)).to(bf)
+    assert torch.equal(ref.rms_norm(x, w, 1e-6), ref.rms_norm(x.float(), w.float(), 1e-6).to(bf))
+    gu = torch.randn(5, 2 * 19).to(bf)
+    assert torch.equal(ref.silu_mul(gu), ref.silu_mul(gu.float()).to(bf))
+    wt, b = torch.randn(23, 37).to(bf), torch.randn(23).to(bf)
+    assert torch.equal(ref.gemv(x, wt, b, rms_eps=1e-6), ref.gemv(x.float(), wt.float(), b.float(), rms_eps=1e-6).to(bf))
+    q = torch.randn(5, 3, 18).to(bf)
+    inv_freq, pos = ref.rope_inv_freq(18, 1e4), torch.tensor([0, 3, 17, 100, 2047])
+    assert torch.equal(ref.rope(q, pos, inv_freq), ref.rope(q.float(), pos, inv_freq).to(bf))
+
+
+def test_silu_mul_rms_rounds_the_scaled_product_first():
+    """With rms_x, gate|up is scaled by 1/rms and rounded to its dtype before the activation (the
+    product gemv would have stored), then silu(gate) * up is rounded again: checked against that
+    composition by hand, and against the single-rounding result, which differs (so the check can
+    fail)."""
+    bf = torch.bfloat16
+    gu, x = torch.randn(7, 2 * 29).to(bf), torch.randn(7, 41).to(bf)
+    inv = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    scaled = (gu.float() * inv).to(bf)
+    g, u = scaled.float().chunk(2, dim=-1)
+    got = ref.silu_mul(gu, x, 1e-6)
+    assert torch.equal(got, (torch.nn.functional.silu(g) * u).to(bf))
+    g1, u1 = (gu.float() * inv).chunk(2, dim=-1)
+    assert not torch.equal(got, (torch.nn.functional.silu(g1) * u1).to(bf))
+
+
+def test_llama3_scaling_band_edges():
+    """The interpolated band is continuous at its edges: a frequency whose wavelength is exactly
+    old_context / low_freq_factor gets inv_freq / factor (as beyond it), one exactly at
+    old_context / high_freq_factor keeps inv_freq (as below it). The edges are placed on a real
+    wavelength (an fp32 value, so the comparisons are exact); test_llama3_scaling_by_hand never
+    lands on an edge."""
+    plain = ref.rope_inv_freq(32, 500000.0)
+    wavelen = 2 * math.pi / plain
+    i = 9
+    for low, high, want in [(1.0, 4.0, plain[i] / 8.0), (0.25, 1.0, plain[i])]:
+        # low edge at wavelen[i] (low_freq_factor 1), then high edge at wavelen[i] (high_freq_factor 1)
+        old = float(wavelen[i]) * (low if low == 1.0 else high)
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=low, high_freq_factor=high,
+                       original_max_position_embeddings=old)
+        assert float(old / (low if low == 1.0 else high)) == float(wavelen[i])
+        assert torch.equal(ref.rope_inv_freq(32, 500000.0, scaling)[i], want)  # smooth is exactly 0 / 1 there
+
+
+def test_llama3_scaling_legacy_type_key():
+    """Older configs name the scaling `type` instead of `rope_type`: the same frequencies."""
+    fields = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    new = ref.rope_inv_freq(32, 500000.0, dict(fields, rope_type="llama3"))
+    assert torch.equal(ref.rope_inv_freq(32, 500000.0, dict(fields, type="llama3")), new)
+    assert not torch.equal(new, ref.rope_inv_freq(32, 500000.0))
+
+
+def test_causal_attention_queries_are_the_last_positions():
+    # T = 2 queries over L = 3 keys: query 0 is position 1 (sees keys 0, 1), query 1 is position 2
+    # (sees all three); zero scores, so each output is the mean of the values it sees.
+    q, k = torch.zeros(2, 1, 3), torch.zeros(3, 1, 3)
+    v = torch.eye(3).unsqueeze(1)  # [L, Hkv=1, D=3]: value l is the unit vector l
+    out = ref.causal_attention(q, k, v, 1.0)
+    torch.testing.assert_close(out, torch.tensor([[[0.5, 0.5, 0.0]], [[1 / 3, 1 / 3, 1 / 3]]]))
+
+
+def test_seed_int64_at_the_sign_bit():
+    assert ref.seed_int64(2**63 - 1) == 2**63 - 1
+    assert ref.seed_int64(2**63) == -(2**63)
+    assert ref.seed_int64(-1) == -1 and ref.seed_int64(2**64) == 0
+
+
+def test_sample_temperature_by_hand():
+    # logits [0, log 3] at temperature 2: probabilities proportional to [1, sqrt(3)], so token 0
+    # iff u < 1 / (1 + sqrt(3)) = 0.366 (at temperature 1 the cut would be 0.25, at 1/2 0.1).
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    cut = 1 / (1 + math.sqrt(3.0))
+    draws = [ref.uniform(seed, 5) for seed in range(64)]
+    for seed, u in enumerate(draws):
+        if abs(u - cut) < 1e-6:  # too close to call in fp32
+            continue
+        got = int(ref.sample(logits, torch.tensor([2.0]), torch.tensor([0]), torch.tensor([1.0]),
+                             torch.tensor([seed]), torch.tensor([5])))
+        assert got == (0 if u < cut else 1), (seed, u)
+    assert any(0.25 < u < cut for u in draws)  # a draw that temperature 1 (or 1/2) sends to token 1
+
+
+def test_sample_top_p_reached_exactly_keeps_one_token():
+    """top_p equal to the largest probability: that token alone reaches the nucleus (the smallest
+    prefix whose sum reaches top_p), so the other is never drawn. top_p is set to the largest
+    probability exactly as fp32 softmax gives it (exp(x - max) / sum), so the sum reaches it
+    exactly."""
+    logits = torch.tensor([0.0, -1.0])
+    e = torch.exp(logits - logits.max())
+    p_max = float((e / e.sum())[0])
+    drawn = set()
+    for seed in range(32):
+        drawn.add(int(ref.sample(logits[None], torch.tensor([1.0]), torch.tensor([0]),
+                                 torch.tensor([p_max], dtype=torch.float32), torch.tensor([seed]),
+                                 torch.tensor([0]))))
+    assert drawn == {0}
+    # Just above it, both tokens are needed, and both get drawn.
+    above = float(torch.nextafter(torch.tensor(p_max), torch.tensor(1.0)))
+    drawn = {int(ref.sample(logits[None], torch.tensor([1.0]), torch.tensor([0]), torch.tensor([above]),
+                            torch.tensor([seed]), torch.tensor([0]))) for seed in range(32)}
+    assert drawn == {0, 1}
+
+
+def test_sample_draw_lands_on_the_first_token_past_u():
+    """V = 2^20 equal logits: the running sum after token j is (j + 1) / V exactly, so the token is
+    floor(u * V), the first whose running sum exceeds u; a draw u that is a multiple of 1/V (1 in
+    16: u has 24 bits) is exactly on a running sum and must go to the next token."""
+    V = 1 << 20
+    logits = torch.zeros(1, V)
+    on_boundary = 0
+    for seed in range(48):
+        u = ref.uniform(seed, 0)
+        on_boundary += (u * V).is_integer()
+        got = int(ref.sample(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]),
+                             torch.tensor([seed]), torch.tensor([0])))
+        assert got == math.floor(u * V), (seed, u)
+    assert on_boundary > 0  # the fixed seeds include draws on a boundary

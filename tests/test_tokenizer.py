@@ -241,3 +241,74 @@ def test_incremental_decoder_skips_special(tok):
     dec = IncrementalDecoder(tok, skip_special_tokens=True)
     out = "".join(dec.push(i) for i in ids) + dec.flush()
     assert out == tok.decode(ids, skip_special_tokens=True) == "assistant\nhé 日本"
+
+
+# ---- gaps found by mutation testing: SmolLM2's tokenizer adds no BOS and is byte-level, so it cannot
+# tell whether `add_special_tokens` reaches the tokenizer or whether IncrementalDecoder keeps its
+# window; the tests below use tokenizers that can.
+
+def test_encode_add_special_tokens_flag(tok):
+    """A tokenizer whose post-processor adds a BOS (as Llama's does): encode() adds it only when
+    asked (chat prompts are encoded without it: the template writes its own)."""
+    from tokenizers import Tokenizer as HFTokenizer, processors
+    hf_tok = HFTokenizer.from_str(tok._tok.to_str())
+    hf_tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                          special_tokens=[("<|im_start|>", 1)])
+    t = Tokenizer(hf_tok, None, tok.special_tokens, tok.eos_token_ids, tok.bos_token_id)
+    plain = tok.encode("Hello world")
+    assert t.encode("Hello world") == plain
+    assert t.encode("Hello world", add_special_tokens=False) == plain
+    assert t.encode("Hello world", add_special_tokens=True) == [1] + plain
+
+
+def test_incremental_decoder_keeps_the_leading_space_of_sentencepiece_tokens():
+    """A SentencePiece-style (Metaspace) decoder drops the "▁" space of the first token it decodes:
+    decoding each new token alone would glue the words together. The decoder's window (text from the
+    previous token on) keeps the space."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁ok": 4}
+    hf_tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf_tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf_tok.decoder = decoders.Metaspace()
+    t = Tokenizer(hf_tok)
+    ids = [1, 2, 3, 4]
+    assert t.decode(ids) == "Hello world! ok" and t.decode([2]) == "world"
+    dec = IncrementalDecoder(t)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == "Hello world! ok"
+
+
+def test_incremental_decoder_flush_empties_it(tok):
+    """After flush nothing is held back: a second flush gives '' (not the same tail again)."""
+    ids = tok.encode("ok 😀")
+    cut = next(c for c in range(1, len(ids)) if tok.decode(ids[:c]).endswith("\ufffd"))
+    dec = IncrementalDecoder(tok)
+    out = "".join(dec.push(i) for i in ids[:cut])
+    tail = dec.flush()
+    assert tail.endswith("\ufffd") and out + tail == tok.decode(ids[:cut])
+    assert dec.flush() == ""
+
+
+def test_template_keyword_arguments_override_special_tokens(tok, hf):
+    """apply_chat_template(..., eos_token=X): X is what the template sees, as in transformers."""
+    t = Tokenizer(tok._tok, "{{ bos_token }}|{{ eos_token }}", tok.special_tokens)
+    ours = t.apply_chat_template(CHATS[0], eos_token="<END>")
+    assert ours == "<|im_start|>|<END>"
+    assert ours == hf.apply_chat_template(CHATS[0], chat_template="{{ bos_token }}|{{ eos_token }}",
+                                          tokenize=False, eos_token="<END>")
+
+
+def test_from_dir_added_token_dicts_and_bos_priority(tmp_path):
+    """Special tokens written as AddedToken dicts ({"content": ...}, as many checkpoints do) are read;
+    the eos id then falls back on that token. bos_token_id: generation_config.json wins over
+    config.json."""
+    src = smollm_dir()
+    shutil.copy(os.path.join(src, "tokenizer.json"), tmp_path)
+    cfg = json.loads(open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8").read())
+    cfg["eos_token"] = {"content": "<|endoftext|>", "lstrip": False, "rstrip": False, "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.special_tokens["eos_token"] == "<|endoftext|>" and t.eos_token_ids == [0]
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 0}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    assert Tokenizer.from_dir(tmp_path).bos_token_id == 1
