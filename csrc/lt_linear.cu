@@ -211,6 +211,11 @@ Problem problem_of(const at::Tensor& x, const at::Tensor& weight, const std::opt
   p.align_w = alignment(weight.data_ptr());
   p.align_o = alignment(out.data_ptr());
   p.bias = check_gemv_bias(bias_opt, x, N) != nullptr;
+  // cuBLASLt's alignment preferences cover x, weight and out but not the epilogue's bias, and a
+  // candidate may load it 16 bytes at a time ("misaligned address", which ends the CUDA context).
+  DX_CHECK(!p.bias || reinterpret_cast<uintptr_t>(bias_opt->data_ptr()) % 16 == 0,
+           "decodex::lt_linear: bias must be 16-byte aligned (its storage offset breaks cuBLASLt's "
+           "vector loads)");
   p.workspace = workspace.numel();
   return p;
 }

@@ -173,6 +173,7 @@ def test_lt_linear_rejects():
     raises("weight must have shape", x, w[:, :16], b, out, ws, 0)
     raises("out must have shape", x, w, b, _poisoned(4, 65), ws, 0)
     raises("bias must have shape", x, w, b[:10], out, ws, 0)
+    raises("bias must be 16-byte aligned", x, w, torch.cat([b, b])[1:65], out, ws, 0)  # 2 bytes in
     raises("x must have dtype", x.float(), w, b, out, ws, 0)
     raises("weight must have dtype", x, w.half(), b, out, ws, 0)
     raises("out must have dtype", x, w, b, out.float(), ws, 0)
