@@ -7,11 +7,14 @@ Per case (batch, context):
   decodex wall ms  per step in the real host loop (CudaGraphRunner.run_loaded: async token ring,
                    host-side stop checks), 128 steps
   tok/s            batch * 1000 / wall ms
-  floor ms         (weight bytes + KV bytes read) / the read bandwidth measured in this run
+  floor ms         (weight bytes + KV bytes read, at the timed replays' mean position) / the read
+                   bandwidth measured in this run
   % of floor       floor / GPU ms
   HF eager ms      transformers, DynamicCache holding `context` random tokens, per-step CUDA events
   HF compiled ms   transformers, StaticCache(max_cache_len = context + 16) + torch.compile(
-                   mode="reduce-overhead"), decode step at cache_position = context
+                   mode="reduce-overhead"), decode step at cache_position = context, calls queued
+                   back to back between CUDA events (GPU time, as decodex's GPU ms; until session
+                   34 each call was timed alone, which also counted its host work)
 The KV cache holds random K/V for `context` tokens and the rows sit at that position, so attention
 reads the whole context; nothing is prefilled (no 32K-token prefill needed).
 
@@ -62,8 +65,13 @@ SWEEP_CASES = [(1, 1024), (8, 1024)]  # --sweep-gemv: the M = 1 and M = 8 entrie
 LIVE_PLAN_CASES = [(64, 1024)]  # --live-plans
 AB_CASES = QUICK_CASES  # --ab: the batch-1 bars' cases and batch 8
 AB_REPS = 3  # --ab: rounds of the interleaved variants
+READ_ONCE_ENV = {"DECODEX_PDL"}  # read once per process by the extension: --ab cannot switch them
 PROFILE_CASES = [(1, 1024), (1, 32768), (64, 1024)]  # (batch, context) of --profile, each model
 GPU_STEPS = 100  # replays timed for "GPU ms"
+GPU_WARMUP = 5  # replays before them (each moves the live rows one position on)
+# The timed replays decode positions context + GPU_WARMUP .. + GPU_STEPS - 1: the floor's KV bytes are
+# taken at their mean.
+TIMED_CONTEXT = GPU_WARMUP + (GPU_STEPS - 1) / 2
 WALL_STEPS = 128  # steps of the host loop for "wall ms"
 HF_STEPS = 10
 
@@ -114,7 +122,8 @@ def weight_bytes(model) -> int:
     return 2 * total
 
 
-def kv_bytes(model, batch: int, context: int) -> int:
+def kv_bytes(model, batch: int, context: float) -> float:
+    """K and V bytes the step reads for rows at position `context` (context + 1 cached tokens each)."""
     c = model.config
     return 2 * batch * c.num_hidden_layers * 2 * c.num_key_value_heads * (context + 1) * c.head_dim
 
@@ -178,7 +187,7 @@ def decodex_case(model, batch: int, context: int, plans=None, fuse_rope: bool = 
     runner = make_runner(model, batch, context, plans, fuse_rope, forced)
     load_rows(runner, batch, context)
     n = runner.capture(batch)
-    gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS))
+    gpu_ms = statistics.median(runner.time_steps(n, steps=GPU_STEPS, warmup=GPU_WARMUP))
     # The real loop: run_loaded from the same starting point, tokens streamed to the host.
     tokens = load_rows(runner, batch, context)
     for _ in runner.run_loaded([context] * batch, tokens, [None] * batch, [WALL_STEPS + 1] * batch):
@@ -332,6 +341,26 @@ def hf_eager(model, cfg, batch: int, context: int) -> float:
     return ms
 
 
+def queued_ms(fn, calls: int, rounds: int = 5, warmup: int = 4) -> float:
+    """ms per call of fn on the current stream: the median over `rounds` of `calls` calls queued back
+    to back between two CUDA events (no synchronisation between them), after `warmup` calls. That is
+    GPU time per call, as decodex's "GPU ms" (its graph replays queued back to back), with each call's
+    host work hidden wherever the host keeps ahead of the GPU; event_time_ms, which synchronises
+    after every call, also counts that host work and the launch onto an idle GPU."""
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return statistics.median(per_call)
+
+
 def hf_compiled(model, cfg, batch: int, context: int) -> float:
     """ms per decode step of torch.compile(mode="reduce-overhead") over a StaticCache."""
     from transformers import StaticCache
@@ -346,7 +375,7 @@ def hf_compiled(model, cfg, batch: int, context: int) -> float:
     with torch.no_grad():
         step(ids, pos)  # eager: allocates the static cache tensors before compiling
         compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
-        ms = event_time_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
+        ms = queued_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
     del cache, compiled
     torch.cuda.empty_cache()
     return ms
@@ -448,7 +477,8 @@ def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = A
     """The step under environment variants (--ab), against the environment as found ("as is"): one
     runner, its graph recaptured for every timing, so variables read at capture or at launch
     (DECODEX_GEMV_CONFIG, DECODEX_ATTN_CLUSTER, ...) take effect, while ones read once per process
-    (DECODEX_PDL) do not. The variants run interleaved, `reps` rounds with "as is" first in each,
+    (DECODEX_PDL, which parse_ab refuses) do not. The variants run interleaved, `reps` rounds, every
+    other round in reverse order (so a drift within a round does not always favour the same one),
     and the environment is restored after every timing. plans, fuse_rope, forced: make_runner's (the
     table's --plans, --no-fused-rope, --force-plans). Prints each timing and the medians; returns
     {label: [ms, ...]}."""
@@ -456,7 +486,8 @@ def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = A
     labels = ["as is"] + [" ".join(f"{k}={v}" for k, v in var.items()) for var in variants]
     times: dict[str, list[float]] = {label: [] for label in labels}
     for rep in range(reps):
-        for label, var in zip(labels, [{}, *variants]):
+        order = list(zip(labels, [{}, *variants]))
+        for label, var in order if rep % 2 == 0 else order[::-1]:
             saved = {k: os.environ.get(k) for k in var}
             os.environ.update(var)
             try:
@@ -485,6 +516,9 @@ def parse_ab(text: str) -> dict:
         name, eq, value = item.partition("=")
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"NAME=VALUE items separated by spaces, got {item!r} in {text!r}")
+        if name in READ_ONCE_ENV:
+            raise ValueError(f"{name} is read once per process (csrc/common.h), so an --ab variant cannot "
+                             f"switch it: run the benchmark once with it and once without")
         variant[name] = value
     if not variant:
         raise ValueError("an empty variant")
@@ -517,7 +551,7 @@ def rows(args=None) -> list[list]:
         for batch, context in args.cases:
             try:
                 r = decodex_case(model, batch, context, args.plans, args.fuse_rope, args.force_plans)
-                floor = (wbytes + kv_bytes(model, batch, context)) / (bw * 1e9) * 1e3
+                floor = (wbytes + kv_bytes(model, batch, context + TIMED_CONTEXT)) / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
                 extra = f", plan for {batch} rows: {r['plan']}" if r["plan"] else ""

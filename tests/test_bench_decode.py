@@ -139,7 +139,7 @@ def test_ab_arguments():
     assert args.cases == decode.AB_CASES and args.ab_reps == decode.AB_REPS
     assert decode.parse_args(["--ab", "X=", "--cases", "1x2k", "--ab-reps", "5"]).cases == [(1, 2048)]
     assert decode.parse_args([]).ab is None
-    for bad in (["--ab", "DECODEX_PDL"], ["--ab", "=1"], ["--ab", "1X=2"], ["--ab", " "],
+    for bad in (["--ab", "DECODEX_PDL"], ["--ab", "DECODEX_PDL=0"], ["--ab", "X=1 DECODEX_PDL=0"], ["--ab", "=1"], ["--ab", "1X=2"], ["--ab", " "],
                 ["--ab", "X=1", "--sweep-gemv"], ["--ab", "X=1", "--live-plans"], ["--ab", "X=1", "--ab-reps", "0"],
                 ["--ab", "X=1", "--ab", "X=1"], ["--ab", "X=1", "--profile"]):
         with pytest.raises(SystemExit):
@@ -147,8 +147,9 @@ def test_ab_arguments():
 
 
 def test_ab_step_interleaves_and_restores(monkeypatch, capsys):
-    """On a stand-in runner (no GPU): each round times "as is" then every variant, each timing sees
-    exactly its variant's variables over the environment as found, and the environment is restored."""
+    """On a stand-in runner (no GPU): each round times "as is" and every variant (every other round
+    in reverse order), each timing sees exactly its variant's variables over the environment as
+    found, and the environment is restored."""
     import os
 
     seen = []
@@ -164,7 +165,8 @@ def test_ab_step_interleaves_and_restores(monkeypatch, capsys):
     monkeypatch.setenv("DX_AB_B", "kept")
     got = decode.ab_step(None, 1, 1024, [{"DX_AB_A": "1"}, {"DX_AB_B": "x"}], reps=2, plans=("cublas",))
     assert made == [(1, 1024, ("cublas",), True, None)]  # one runner, with the table's options
-    assert seen == [(None, "kept"), ("1", "kept"), (None, "x")] * 2
+    # Round 0 in order, round 1 reversed: a drift within a round does not always favour one variant.
+    assert seen == [(None, "kept"), ("1", "kept"), (None, "x"), (None, "x"), ("1", "kept"), (None, "kept")]
     assert got == {"as is": [1.0, 1.0], "DX_AB_A=1": [2.0, 2.0], "DX_AB_B=x": [1.0, 1.0]}
     assert "DX_AB_A" not in os.environ and os.environ["DX_AB_B"] == "kept"
     assert "DX_AB_A=1: median 2.0000 ms (min 2.0000), +100.00% against as is" in capsys.readouterr().out
