@@ -3,7 +3,8 @@
 // A CUDA graph of L chained kernels ("links") of G blocks x 128 threads. Every link reads all n
 // floats the link before wrote (x, as a GEMV reads its input), streams its share of `mb` MiB of a
 // weight-like buffer (the first 8 loads a thread issued before the wait, as decodex's GEMV does
-// with prefetch_weight; L2-cold: the links walk a 1 GiB buffer), and writes n floats for the next.
+// with prefetch_weight; the links walk a 4 GiB buffer, L2-cold wherever the L links of a replay
+// read more than the L2 holds), and writes n floats for the next.
 //   mode 0: plain launches (stream order, no PDL)
 //   mode 1: PDL: prefetch; griddepcontrol.wait; launch_dependents; the rest (decodex today)
 //   mode 2: PDL launch, but the link waits on a counter that each block of the link before bumps
