@@ -341,26 +341,6 @@ def hf_eager(model, cfg, batch: int, context: int) -> float:
     return ms
 
 
-def queued_ms(fn, calls: int, rounds: int = 5, warmup: int = 4) -> float:
-    """ms per call of fn on the current stream: the median over `rounds` of `calls` calls queued back
-    to back between two CUDA events (no synchronisation between them), after `warmup` calls. That is
-    GPU time per call, as decodex's "GPU ms" (its graph replays queued back to back), with each call's
-    host work hidden wherever the host keeps ahead of the GPU; event_time_ms, which synchronises
-    after every call, also counts that host work and the launch onto an idle GPU."""
-    for _ in range(warmup):
-        fn()
-    per_call = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / calls)
-    return statistics.median(per_call)
-
-
 def hf_compiled(model, cfg, batch: int, context: int) -> float:
     """ms per decode step of torch.compile(mode="reduce-overhead") over a StaticCache."""
     from transformers import StaticCache
@@ -375,7 +355,8 @@ def hf_compiled(model, cfg, batch: int, context: int) -> float:
     with torch.no_grad():
         step(ids, pos)  # eager: allocates the static cache tensors before compiling
         compiled = torch.compile(step, mode="reduce-overhead", dynamic=False)
-        ms = queued_ms(lambda: compiled(ids, pos), HF_STEPS * 2, warmup=4)
+        # Calls queued back to back (GPU time, as decodex's GPU ms), 5 timings of 20 calls.
+        ms = event_time_ms(lambda: compiled(ids, pos), 5, warmup=4, calls=HF_STEPS * 2)
     del cache, compiled
     torch.cuda.empty_cache()
     return ms

@@ -1185,17 +1185,21 @@ def _cublas_linear(x, w, b, out) -> None:
         torch.addmm(b, x, w.t(), out=out)
 
 
-def event_time_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median milliseconds of fn() on the current stream over `reps` calls timed with CUDA events,
-    after `warmup` untimed calls. (The linear plan uses it; so does bench/decode.py.)"""
+def event_time_ms(fn, reps: int = 5, warmup: int = 1, calls: int = 1) -> float:
+    """Median milliseconds of fn() on the current stream over `reps` timings with CUDA events, after
+    `warmup` untimed calls. A timing is `calls` calls queued back to back between two events (no
+    synchronisation between them), divided by `calls`: with calls > 1 that is GPU time per call, each
+    call's host work hidden wherever the host keeps ahead of the GPU. (The linear plan uses it; so
+    does bench/decode.py.)"""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
