@@ -18,6 +18,18 @@ class LoadError(ValueError):
     """A checkpoint decodex cannot load; the message names the file, tensor, field or limit."""
 
 
+def token_ids(value, source: str, name: str) -> list[int]:
+    """A token-id field (eos_token_id in config.json or generation_config.json): null, an id or a
+    list of ids -> the list; anything else a LoadError naming `source` and the field."""
+    if value is None:
+        return []
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    # bool is an int to Python: `true` would stop generation at token 1.
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise LoadError(f"{source}: field {name!r} must be an integer or a list of integers, got {value!r}")
+    return ids
+
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -162,10 +174,7 @@ class ModelConfig:
             elif kind not in (None, "default"):
                 fail(f"{scaling_name}.rope_type", f"is {kind!r}; supported: default, llama3")
 
-        eos = raw.get("eos_token_id")
-        eos_list = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
-            fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+        eos_list = token_ids(raw.get("eos_token_id"), source, "eos_token_id")
 
         rms_norm_eps = get("rms_norm_eps", float, default=1e-6)
         if rms_norm_eps < 0:  # rsqrt of a negative mean square: NaN logits

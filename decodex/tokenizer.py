@@ -15,7 +15,7 @@ import os
 from datetime import datetime
 from functools import lru_cache
 
-from decodex.config import LoadError
+from decodex.config import LoadError, token_ids
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -30,17 +30,6 @@ def read_json(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoadError(f"{path}: malformed JSON: {e}") from None
     return value if isinstance(value, dict) else {}
-
-
-def _token_ids(value, path: str, name: str) -> list[int]:
-    """eos_token_id in generation_config.json / config.json: null, an id or a list of ids."""
-    if value is None:
-        return []
-    ids = list(value) if isinstance(value, list) else [value]
-    # bool is an int to Python: `true` would stop generation at token 1.
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-        raise LoadError(f"{path}: field {name!r} must be an integer or a list of integers, got {value!r}")
-    return ids
 
 
 def _token_text(value) -> str | None:
@@ -155,10 +144,10 @@ class Tokenizer:
 
         special = {key: _token_text(tok_config.get(key)) for key in _SPECIAL_KEYS}
 
-        eos = _token_ids(gen_config.get("eos_token_id"), os.path.join(path, "generation_config.json"),
+        eos = token_ids(gen_config.get("eos_token_id"), os.path.join(path, "generation_config.json"),
                          "eos_token_id")
         if not eos:
-            eos = _token_ids(model_config.get("eos_token_id"), os.path.join(path, "config.json"),
+            eos = token_ids(model_config.get("eos_token_id"), os.path.join(path, "config.json"),
                              "eos_token_id")
         if not eos and special.get("eos_token") is not None:
             eos_id = tok.token_to_id(special["eos_token"])
