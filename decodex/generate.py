@@ -32,6 +32,14 @@ from decodex.tokenizer import IncrementalDecoder, Tokenizer, read_json
 _INT32_MAX = 2**31 - 1  # the kernels hold top_k as int32
 
 
+def _int_arg(name: str, v) -> int:
+    """An int argument as an int (bool, a float or a str is a TypeError naming it: nothing is
+    truncated or parsed behind the caller's back)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    return int(v)
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 (or less): greedy. top_k 0: no limit. top_p 1.0: no nucleus cut.
@@ -52,11 +60,7 @@ class SamplingParams:
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite, got {v}")
             setattr(self, name, float(v))
-        for name in ("top_k", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            setattr(self, name, int(v))
+        self.top_k, self.seed = _int_arg("top_k", self.top_k), _int_arg("seed", self.seed)
         if not 0 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be in [0, {_INT32_MAX}] (0: no limit), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -455,9 +459,7 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
             model_or_path, prompt = None, model_or_path
         else:
             raise ValueError("generate() needs a prompt")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 1:
+    if _int_arg("max_new_tokens", max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stops = _stop_strings(stop)
