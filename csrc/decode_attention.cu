@@ -1002,6 +1002,9 @@ int split_warps(bool in_cluster, int64_t blocks, int device) {
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, double scale, at::Tensor& workspace,
                       at::Tensor& out, bool prefetch_cache) {
+  // Other blocks still read q while a finished one writes out (rope_append_attention checks its
+  // q, k and v itself).
+  DX_CHECK(!spans_overlap(q, out), "decode_attention: out must not overlap q");
   launch_decode_attention("decode_attention", q, k_cache, v_cache, lengths, scale, workspace, out,
                           prefetch_cache, nullptr);
 }
@@ -1073,8 +1076,7 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   DX_CHECK_ALIGNED16(workspace);
   DX_CHECK_ALIGNED16(out);
   DX_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  // A block writes out (the cluster merge, the combine) while others still read q or the workspace.
-  DX_CHECK(!spans_overlap(q, out), op, ": out must not overlap q");
+  // A block writes out (the cluster merge, the combine) while others still read the workspace.
   DX_CHECK(!spans_overlap(workspace, out), op, ": workspace and out must not overlap");
 
   c10::cuda::CUDAGuard guard(q.device());
