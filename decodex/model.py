@@ -67,16 +67,18 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+def _check_id_range(lo: int, hi: int, vocab_size: int, what: str) -> None:
     """Token ids outside [0, vocab_size) would index the embedding out of bounds (on a GPU, a
-    device-side assert that ends the process's CUDA context): a ValueError naming `what` instead.
-    Reads the ids on the host (a sync if they are on a GPU)."""
-    if ids.numel() == 0:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
+    device-side assert that ends the process's CUDA context): a ValueError naming `what` instead."""
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{what}: token id {lo if lo < 0 else hi} is outside the vocabulary "
                          f"[0, {vocab_size})")
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """_check_id_range on the smallest and largest of `ids` (one host read: a sync on a GPU)."""
+    if ids.numel():
+        _check_id_range(*torch.stack(torch.aminmax(ids)).tolist(), vocab_size, what)
 
 
 class _ReferenceOps:
@@ -319,13 +321,14 @@ class Model:
         if B > cache.batch:
             raise ValueError(f"decode batch {B} exceeds the cache batch of {cache.batch}")
         limit = min(cache.capacity, c.max_position_embeddings)
-        last = int(positions.max())  # eager path: one host sync per step is acceptable here
+        tokens = torch.where(positions >= 0, tokens, 0)  # skipped rows may hold any token id
+        # The last position and the live ids' range in one host read (the eager path's one sync a step).
+        last, lo, hi = torch.stack([positions.max().long(), *torch.aminmax(tokens)]).tolist()
         if last >= limit:
             what = (f"the KV cache capacity of {cache.capacity}" if cache.capacity <= c.max_position_embeddings
                     else f"the model's context of max_position_embeddings={c.max_position_embeddings}")
             raise ValueError(f"position {last} is past {what} tokens")
-        check_token_ids(tokens[positions >= 0], c.vocab_size, "decode")
-        tokens = torch.where(positions >= 0, tokens, 0)  # skipped rows may hold any token id
+        _check_id_range(lo, hi, c.vocab_size, "decode")
         lengths = (positions + 1).clamp(min=0)  # [B] int32: cache rows each query attends over
         H, D = c.num_attention_heads, c.head_dim
         if self.use_kernels:
