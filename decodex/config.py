@@ -1,5 +1,6 @@
-"""ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5 and
-Llama 2, 3, 3.1 (llama3 RoPE scaling) and 3.2 (tied embeddings).
+"""ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5, Llama 2,
+3, 3.1 (llama3 RoPE scaling) and 3.2 (tied embeddings), and Mistral without a sliding window (v0.2,
+v0.3, Nemo: a Llama without biases).
 
 Both config dialects are read: the older one (`rope_theta`, `rope_scaling`, `torch_dtype`) that
 published checkpoints carry, and transformers 5's (`rope_parameters`, `dtype`). Anything decodex
@@ -30,7 +31,7 @@ def token_ids(value, source: str, name: str) -> list[int]:
     return ids
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings")
@@ -38,7 +39,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 @dataclass
 class ModelConfig:
-    model_type: str  # 'qwen2' | 'llama'
+    model_type: str  # 'qwen2' | 'llama' | 'mistral'
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,7 +52,7 @@ class ModelConfig:
     rope_scaling: dict | None  # None, or a llama3 dict with "rope_type": "llama3"
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # qwen2: q/k/v bias; llama: q/k/v/o bias
+    attention_bias: bool  # qwen2: q/k/v bias; llama: q/k/v/o bias; mistral: none
     mlp_bias: bool = False  # always False (True is refused)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
@@ -129,6 +130,13 @@ class ModelConfig:
                 fail("layer_types", f"must be a list, got {layer_types!r}")
             if get("use_sliding_window", bool, default=False) or "sliding_attention" in layer_types:
                 fail("use_sliding_window", "is true; sliding-window attention is not supported")
+        elif model_type == "mistral":
+            attention_bias = False  # transformers' Mistral has no bias option
+            window = get("sliding_window", int, default=None)
+            # Keys more than `window` positions back are masked; below the context limit no key is.
+            if window is not None and window < raw["max_position_embeddings"]:
+                fail("sliding_window", f"= {window} is below max_position_embeddings = "
+                     f"{raw['max_position_embeddings']}; sliding-window attention is not supported")
         else:
             attention_bias = get("attention_bias", bool, default=False)
 

@@ -42,18 +42,26 @@ def _randomize_(named_params, generator: torch.Generator):
 
 
 def hf_config(model_type: str, tied: bool = False, rope_scaling: dict | None = None, **overrides):
-    """A transformers Qwen2Config / LlamaConfig of the TINY sizes (overrides win)."""
-    from transformers import LlamaConfig, Qwen2Config
-
+    """A transformers Qwen2Config / LlamaConfig / MistralConfig of the TINY sizes (overrides win;
+    Mistral's sliding window is off unless given)."""
     kwargs = dict(TINY, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
     kwargs.update(overrides)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = dict(rope_scaling, rope_theta=kwargs["rope_theta"])
-    if model_type == "qwen2":
-        return Qwen2Config(**kwargs)
-    if model_type == "llama":
-        return LlamaConfig(**kwargs)
-    raise ValueError(f"model_type {model_type!r}")
+    return _hf_classes(model_type)[0](**kwargs)
+
+
+def _hf_classes(model_type: str):
+    """transformers' (config class, causal-LM class) for a decodex model_type."""
+    import transformers
+
+    names = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}
+    if model_type not in names:
+        raise ValueError(f"model_type {model_type!r}")
+    name = names[model_type]
+    return getattr(transformers, name + "Config"), getattr(transformers, name + "ForCausalLM")
 
 
 def make_tiny_checkpoint(tmp_path, model_type: str = "llama", tied: bool = False, sharded: bool = False,
@@ -62,11 +70,9 @@ def make_tiny_checkpoint(tmp_path, model_type: str = "llama", tied: bool = False
     """Writes a random tiny HF checkpoint to tmp_path/<name> with save_pretrained (safetensors;
     `sharded`: several shards + model.safetensors.index.json). Returns (path, hf_model): the HF model
     in fp32 eval mode with eager attention, holding exactly the saved (dtype-rounded) weights."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-
     cfg = hf_config(model_type, tied=tied, rope_scaling=rope_scaling, head_dim=head_dim, **overrides)
     cfg._attn_implementation = "eager"
-    cls = Qwen2ForCausalLM if model_type == "qwen2" else LlamaForCausalLM
+    cls = _hf_classes(model_type)[1]
     torch.manual_seed(seed)
     model = cls(cfg)
     _randomize_(model.named_parameters(), torch.Generator().manual_seed(seed))

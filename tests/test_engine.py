@@ -363,6 +363,8 @@ MODELS = {
     # Llama: untied, llama3 RoPE scaling, q/k/v/o bias, head_dim 64.
     "llama-d64": dict(model_type="llama", tied=False, head_dim=64, rope_scaling=LLAMA3_SCALING,
                       attention_bias=True),
+    # Mistral: no biases; q is 4 x 128 wide, twice hidden_size (as in Mistral Nemo).
+    "mistral-d128-wide-q": dict(model_type="mistral", tied=False, head_dim=128, rope_theta=1e6),
 }
 
 

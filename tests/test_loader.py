@@ -56,7 +56,7 @@ def _load(path):
 # ---- config.json ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, words", [
-    (dict(model_type="mistral"), ["model_type", "mistral", "qwen2, llama"]),
+    (dict(model_type="gemma"), ["model_type", "gemma", "qwen2, llama, mistral"]),
     (dict(hidden_size=_DELETE), ["hidden_size", "required"]),
     (dict(num_hidden_layers="2"), ["num_hidden_layers", "integer"]),
     (dict(num_key_value_heads=3), ["num_key_value_heads", "divide"]),
@@ -98,6 +98,21 @@ def test_qwen2_sliding_window_refused(checkpoints, tmp_path):
     path = _copy(checkpoints, "sharded", tmp_path)
     cfg_path = _edit_config(path, use_sliding_window=True, sliding_window=16)
     with pytest.raises(LoadError, match="use_sliding_window") as e:
+        _load(path)
+    assert cfg_path in str(e.value)
+
+
+@pytest.mark.parametrize("window, ok", [(None, True), (512, True), (511, False), (0, False), (4096, True)])
+def test_mistral_sliding_window(checkpoints, tmp_path, window, ok):
+    """A window that masks nothing below max_position_embeddings (512 here) loads as Llama without
+    biases; a smaller one is refused: decodex attends to the whole context."""
+    path = _copy(checkpoints, "single", tmp_path)
+    cfg_path = _edit_config(path, model_type="mistral", sliding_window=window)
+    if ok:
+        assert _load(path).config.model_type == "mistral"
+        return
+    with pytest.raises(LoadError, match=f"'sliding_window' = {window} is below max_position_embeddings = 512; "
+                                        "sliding-window attention is not supported") as e:
         _load(path)
     assert cfg_path in str(e.value)
 
@@ -165,6 +180,23 @@ def test_old_and_new_config_dialects():
     qwen = ModelConfig.from_dict(dict(base, model_type="qwen2", tie_word_embeddings=True,
                                       rope_theta=1000000.0, use_sliding_window=False, sliding_window=4096))
     assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.rope_scaling is None
+
+
+def test_mistral_configs_as_published():
+    """Mistral 7B v0.3 and Nemo (head_dim 128 beside hidden 5120 / 32 heads) load; v0.1's 4096-token
+    window under a 32K context does not."""
+    v03 = dict(model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32768, hidden_size=4096,
+               intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               max_position_embeddings=32768, rms_norm_eps=1e-05, rope_theta=1000000.0, sliding_window=None,
+               tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    c = ModelConfig.from_dict(v03)
+    assert (c.head_dim, c.attention_bias, c.rope_theta, c.eos_token_id) == (128, False, 1e6, [2])
+    assert "self_attn.q_proj.bias" not in " ".join(c.weight_shapes())
+    nemo = ModelConfig.from_dict(dict(v03, vocab_size=131072, hidden_size=5120, num_hidden_layers=40,
+                                      head_dim=128, max_position_embeddings=1024000))
+    assert nemo.weight_shapes()["model.layers.0.self_attn.o_proj.weight"] == (5120, 4096)
+    with pytest.raises(LoadError, match="'sliding_window' = 4096 is below max_position_embeddings = 32768"):
+        ModelConfig.from_dict(dict(v03, sliding_window=4096, rope_theta=10000.0))
 
 
 def test_llama3_scaling_fields_kept_and_checked():

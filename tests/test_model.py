@@ -27,6 +27,10 @@ HF_CASES = {
     "llama3-rope-scaling": ("llama", False, False, LLAMA3_SCALING, torch.float32, 61, {}),
     "llama-tied-fp16": ("llama", True, False, None, torch.float16, 11, {"rope_theta": 500000.0}),
     "llama-attention-bias": ("llama", False, False, None, torch.float32, 7, {"attention_bias": True}),
+    # Mistral v0.3's layout: no biases, no sliding window, theta 1e6; the head dim is not
+    # hidden_size / heads (as in Mistral Nemo).
+    "mistral-head-dim": ("mistral", False, False, None, torch.bfloat16, 15,
+                         {"rope_theta": 1e6, "head_dim": 48}),
 }
 DECODE_STEPS = 20
 
@@ -66,7 +70,7 @@ def test_matches_transformers(tmp_path, case):
                              f"{case} decode step {step} (position {T + step})")
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])
 def test_prefill_last_only(model_type):
     """last_only (what generation calls) gives the last row of the full logits and writes the same
     cache rows."""
@@ -172,6 +176,9 @@ GPU_CASES = {
                              head_dim=64, intermediate_size=512, vocab_size=1000, rope_scaling=LLAMA3_SCALING),
     "llama-d128-tied": dict(model_type="llama", hidden_size=512, num_attention_heads=4, num_key_value_heads=1,
                             head_dim=128, intermediate_size=1024, vocab_size=1000, tie_word_embeddings=True),
+    # q's width (4 x 128) is not hidden_size, as in Mistral Nemo.
+    "mistral-d128-wide-q": dict(model_type="mistral", hidden_size=384, num_attention_heads=4, num_key_value_heads=1,
+                                head_dim=128, intermediate_size=768, vocab_size=1000, rope_theta=1e6),
 }
 GPU_DECODE_STEPS = 64
 # Floor of the allowed error, relative to the largest fp32 logit: bf16 has 8 bits of mantissa, so
