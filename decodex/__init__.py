@@ -1,8 +1,8 @@
-"""decodex: handwritten CUDA decode kernels and a thin Qwen2/Llama runner.
+"""decodex: handwritten CUDA decode kernels and a thin Qwen / Llama / Mistral runner.
 
     import decodex
     text = decodex.generate(prompt="What is the capital of France?")   # the embedded default model
-    model = decodex.load("path/to/hf_dir")                              # Qwen2 / Llama safetensors
+    model = decodex.load("path/to/hf_dir")                              # Qwen / Llama / Mistral safetensors
     torch.ops.decodex.gemv(x, w, None, out)                             # the kernels, from any code
 """
 import os as _os

@@ -1,6 +1,6 @@
-"""ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5, Llama 2,
-3, 3.1 (llama3 RoPE scaling) and 3.2 (tied embeddings), and Mistral without a sliding window (v0.2,
-v0.3, Nemo: a Llama without biases).
+"""ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5, Qwen3
+(dense: an RMSNorm on each q and k head before RoPE), Llama 2, 3, 3.1 (llama3 RoPE scaling) and 3.2
+(tied embeddings), and Mistral without a sliding window (v0.2, v0.3, Nemo: a Llama without biases).
 
 Both config dialects are read: the older one (`rope_theta`, `rope_scaling`, `torch_dtype`) that
 published checkpoints carry, and transformers 5's (`rope_parameters`, `dtype`). Anything decodex
@@ -31,7 +31,7 @@ def token_ids(value, source: str, name: str) -> list[int]:
     return ids
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings")
@@ -39,7 +39,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 @dataclass
 class ModelConfig:
-    model_type: str  # 'qwen2' | 'llama' | 'mistral'
+    model_type: str  # 'qwen2' | 'qwen3' | 'llama' | 'mistral'
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,8 +52,9 @@ class ModelConfig:
     rope_scaling: dict | None  # None, or a llama3 dict with "rope_type": "llama3"
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # qwen2: q/k/v bias; llama: q/k/v/o bias; mistral: none
+    attention_bias: bool  # qwen2: q/k/v bias; llama, qwen3: q/k/v/o bias; mistral: none
     mlp_bias: bool = False  # always False (True is refused)
+    qk_norm: bool = False  # qwen3: q_norm / k_norm, an RMSNorm over each q and k head before RoPE
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -123,8 +124,9 @@ class ModelConfig:
             fail("hidden_act", f"is {act!r}; only 'silu' is supported")
         if get("mlp_bias", bool, default=False):
             fail("mlp_bias", "is true; MLP biases are not supported")
-        if model_type == "qwen2":
-            attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+        if model_type in ("qwen2", "qwen3"):
+            # Qwen2 always has q/k/v biases (and none on o_proj); Qwen3 has all four or none.
+            attention_bias = True if model_type == "qwen2" else get("attention_bias", bool, default=False)
             layer_types = raw.get("layer_types") or []
             if not isinstance(layer_types, list):
                 fail("layer_types", f"must be a list, got {layer_types!r}")
@@ -204,10 +206,16 @@ class ModelConfig:
             tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
             attention_bias=attention_bias,
             mlp_bias=False,
+            qk_norm=model_type == "qwen3",
             torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
             bos_token_id=get("bos_token_id", int, default=None),
             eos_token_id=eos_list,
         )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """attention_bias covers o_proj too, except in Qwen2 (q/k/v only)."""
+        return self.attention_bias and self.model_type != "qwen2"
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor decodex reads (HF names) and its shape. lm_head.weight is listed only when
@@ -227,8 +235,11 @@ class ModelConfig:
                 if self.attention_bias:
                     shapes[p + f"self_attn.{name}.bias"] = (rows,)
             shapes[p + "self_attn.o_proj.weight"] = (Hd, q_dim)
-            if self.attention_bias and self.model_type == "llama":
+            if self.o_proj_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (Hd,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             shapes[p + "mlp.gate_proj.weight"] = (I, Hd)
             shapes[p + "mlp.up_proj.weight"] = (I, Hd)
             shapes[p + "mlp.down_proj.weight"] = (Hd, I)

@@ -522,6 +522,8 @@ class CudaGraphRunner(HostLoop):
             raise RuntimeError(f"CudaGraphRunner needs a model on a CUDA device, got {model.device}")
         if model.dtype != torch.bfloat16:
             raise RuntimeError(f"CudaGraphRunner runs bf16 models, got {model.dtype}")
+        if model.kernels_missing():  # else its step would leave that part out
+            raise RuntimeError(f"CudaGraphRunner: decodex has no kernels for {model.kernels_missing()}")
         super().__init__(max_batch, capacity, depth)
         c = model.config
         self.model = model

@@ -1,5 +1,5 @@
-"""The Qwen2 / Llama decoder as one layer loop, with weights merged where a kernel reads them together
-(q|k|v rows in one matrix, gate|up rows in another), and a static KV cache.
+"""The Qwen2 / Qwen3 / Llama / Mistral decoder as one layer loop, with weights merged where a kernel
+reads them together (q|k|v rows in one matrix, gate|up rows in another), and a static KV cache.
 
 The weight of each layer's two RMSNorms is folded into the product after it (decodex.reference.
 fold_norm_weight: qkv_w's columns scaled by input_layernorm.weight, gate_up_w's by
@@ -9,8 +9,9 @@ rms_norm(x, 1) @ (W * w)^T. That lets the decode GEMVs normalise their input the
 the embedding tensor).
 
 Two paths run the same loop on the same tensors:
-- reference (CPU, or any device without the kernels): decodex.reference ops, fp32 math; the
-  source of truth that the tests compare with transformers.
+- reference (CPU, or any device without the kernels, or a model they do not compute: see
+  kernels_missing): decodex.reference ops, fp32 math; the source of truth that the tests compare
+  with transformers.
 - kernels (CUDA, eager, outside graphs; `model.use_kernels`): torch.ops.decodex.* where a kernel
   exists (gemv / gemv_silu_mul for <= 8 rows, fused_add_rms_norm, rope_append, decode_attention,
   silu_mul), cuBLAS
@@ -46,11 +47,13 @@ GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64
 @dataclass
 class Layer:
     qkv_w: torch.Tensor  # [(H + 2*Hkv) * D, Hd]  rows: q, then k, then v; input_layernorm folded in
-    qkv_b: torch.Tensor | None  # [(H + 2*Hkv) * D]  (Qwen2; Llama with attention_bias)
+    qkv_b: torch.Tensor | None  # [(H + 2*Hkv) * D]  (Qwen2; Llama / Qwen3 with attention_bias)
     o_w: torch.Tensor  # [Hd, H*D]
     gate_up_w: torch.Tensor  # [2*I, Hd]  rows: gate, then up; post_attention_layernorm folded in
     down_w: torch.Tensor  # [Hd, I]
-    o_b: torch.Tensor | None = None  # [Hd]  only Llama with attention_bias=True has it
+    o_b: torch.Tensor | None = None  # [Hd]  Llama / Qwen3 with attention_bias=True
+    q_norm: torch.Tensor | None = None  # [D]  Qwen3: RMSNorm weight of each q head, before RoPE
+    k_norm: torch.Tensor | None = None  # [D]  Qwen3: the same for each k head
 
 
 @dataclass
@@ -213,16 +216,31 @@ class Model:
                 gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                               norm=p + "post_attention_layernorm.weight"),
                 down_w=w(p + "mlp.down_proj.weight"),
-                o_b=w(a + "o_proj.bias") if c.attention_bias and c.model_type == "llama" else None,
+                o_b=w(a + "o_proj.bias") if c.o_proj_bias else None,
+                q_norm=w(a + "q_norm.weight") if c.qk_norm else None,
+                k_norm=w(a + "k_norm.weight") if c.qk_norm else None,
             ))
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.use_kernels = self.kernels_supported()
+        gap = self.kernels_missing()
+        if gap and self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16:
+            warnings.warn(f"decodex has no kernels for {gap}: this model runs on the reference path "
+                          "(PyTorch ops, many times slower than the kernels)")
+
+    def kernels_missing(self) -> str | None:
+        """What of this model's architecture the kernels do not compute, or None."""
+        c = self.config
+        if c.head_dim not in KERNEL_HEAD_DIMS:
+            return f"head dim {c.head_dim} (they are built for {' and '.join(map(str, KERNEL_HEAD_DIMS))})"
+        if c.qk_norm:
+            return "Qwen3's per-head q and k norms"
+        return None
 
     def kernels_supported(self) -> bool:
-        """The eager kernel path needs CUDA, the built kernels, bf16 and a head dim they are built for."""
+        """The eager kernel path needs CUDA, the built kernels, bf16 and an architecture they compute."""
         return (self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16
-                and self.config.head_dim in KERNEL_HEAD_DIMS)
+                and self.kernels_missing() is None)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config
@@ -247,7 +265,10 @@ class Model:
             # residual itself and scale by 1/rms (rms_eps), as the decode GEMVs do.
             qkv = ops.linear(residual, layer.qkv_w, layer.qkv_b, rms_eps=eps)  # [M, (H + 2*Hkv) * D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            attn = attend(i, q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D))  # [M, H*D]
+            q, k, v = q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D)
+            if layer.q_norm is not None:  # Qwen3 (reference path only): each head normed before RoPE
+                q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
+            attn = attend(i, q, k, v)  # [M, H*D]
             residual = ops.add(residual, ops.linear(attn, layer.o_w, layer.o_b))  # [M, Hd]
             act = ops.gate_up_silu(residual, layer.gate_up_w, rms_eps=eps)  # [M, I] = silu(gate) * up
             residual = ops.add(residual, ops.linear(act, layer.down_w))  # [M, Hd]

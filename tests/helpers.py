@@ -42,7 +42,7 @@ def _randomize_(named_params, generator: torch.Generator):
 
 
 def hf_config(model_type: str, tied: bool = False, rope_scaling: dict | None = None, **overrides):
-    """A transformers Qwen2Config / LlamaConfig / MistralConfig of the TINY sizes (overrides win;
+    """A transformers config (Qwen2, Qwen3, Llama or Mistral) of the TINY sizes (overrides win;
     Mistral's sliding window is off unless given)."""
     kwargs = dict(TINY, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     if model_type == "mistral":
@@ -57,7 +57,7 @@ def _hf_classes(model_type: str):
     """transformers' (config class, causal-LM class) for a decodex model_type."""
     import transformers
 
-    names = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
     if model_type not in names:
         raise ValueError(f"model_type {model_type!r}")
     name = names[model_type]

@@ -56,7 +56,7 @@ def _load(path):
 # ---- config.json ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, words", [
-    (dict(model_type="gemma"), ["model_type", "gemma", "qwen2, llama, mistral"]),
+    (dict(model_type="gemma"), ["model_type", "gemma", "qwen2, qwen3, llama, mistral"]),
     (dict(hidden_size=_DELETE), ["hidden_size", "required"]),
     (dict(num_hidden_layers="2"), ["num_hidden_layers", "integer"]),
     (dict(num_key_value_heads=3), ["num_key_value_heads", "divide"]),
@@ -180,6 +180,39 @@ def test_old_and_new_config_dialects():
     qwen = ModelConfig.from_dict(dict(base, model_type="qwen2", tie_word_embeddings=True,
                                       rope_theta=1000000.0, use_sliding_window=False, sliding_window=4096))
     assert qwen.attention_bias and qwen.tie_word_embeddings and qwen.rope_scaling is None
+
+
+def test_qwen3_config_as_published():
+    """Qwen3-0.6B's config.json: head_dim 128 beside hidden 1024 / 16 heads, q/k norms, no biases;
+    a sliding window or YaRN scaling is refused."""
+    raw = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, bos_token_id=151643,
+               eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, intermediate_size=3072,
+               max_position_embeddings=40960, max_window_layers=28, num_attention_heads=16, num_hidden_layers=28,
+               num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000,
+               sliding_window=None, tie_word_embeddings=True, torch_dtype="bfloat16", use_sliding_window=False,
+               vocab_size=151936)
+    c = ModelConfig.from_dict(raw)
+    assert (c.qk_norm, c.attention_bias, c.o_proj_bias, c.head_dim, c.rope_theta) == (True, False, False, 128, 1e6)
+    shapes = c.weight_shapes()
+    assert shapes["model.layers.27.self_attn.q_norm.weight"] == shapes["model.layers.27.self_attn.k_norm.weight"] == (128,)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (2048, 1024) and "lm_head.weight" not in shapes
+    assert not any(name.endswith("bias") for name in shapes)
+    biased = ModelConfig.from_dict(dict(raw, attention_bias=True)).weight_shapes()
+    assert biased["model.layers.0.self_attn.o_proj.bias"] == (1024,)
+    for change, field in ((dict(use_sliding_window=True, sliding_window=4096), "use_sliding_window"),
+                          (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type")):
+        with pytest.raises(LoadError, match=f"'{field}'"):
+            ModelConfig.from_dict(dict(raw, **change))
+    qwen2 = ModelConfig.from_dict(dict(raw, model_type="qwen2"))
+    assert not qwen2.qk_norm and qwen2.attention_bias and not qwen2.o_proj_bias
+
+
+def test_kernels_missing_names_what_the_kernels_do_not_compute():
+    """The kernel path is taken only where it computes the whole model (else the reference path)."""
+    assert random_model("llama", head_dim=64).kernels_missing() is None
+    assert random_model("qwen3").kernels_missing() == "head dim 32 (they are built for 64 and 128)"
+    assert random_model("qwen3", head_dim=128).kernels_missing() == "Qwen3's per-head q and k norms"
+    assert random_model("qwen3", head_dim=128).use_kernels is False
 
 
 def test_mistral_configs_as_published():

@@ -27,6 +27,10 @@ HF_CASES = {
     "llama3-rope-scaling": ("llama", False, False, LLAMA3_SCALING, torch.float32, 61, {}),
     "llama-tied-fp16": ("llama", True, False, None, torch.float16, 11, {"rope_theta": 500000.0}),
     "llama-attention-bias": ("llama", False, False, None, torch.float32, 7, {"attention_bias": True}),
+    # Qwen3: q_norm / k_norm on each head before RoPE; tied as the small ones are, and with the
+    # optional q/k/v/o biases.
+    "qwen3-tied-bf16": ("qwen3", True, False, None, torch.bfloat16, 12, {}),
+    "qwen3-attention-bias": ("qwen3", False, True, None, torch.float32, 8, {"attention_bias": True}),
     # Mistral v0.3's layout: no biases, no sliding window, theta 1e6; the head dim is not
     # hidden_size / heads (as in Mistral Nemo).
     "mistral-head-dim": ("mistral", False, False, None, torch.bfloat16, 15,
@@ -70,7 +74,7 @@ def test_matches_transformers(tmp_path, case):
                              f"{case} decode step {step} (position {T + step})")
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama", "mistral"])
 def test_prefill_last_only(model_type):
     """last_only (what generation calls) gives the last row of the full logits and writes the same
     cache rows."""
@@ -306,6 +310,27 @@ def test_load_defaults_to_cuda_bf16_kernels(tmp_path):
     path, hf = make_tiny_checkpoint(tmp_path, "qwen2", tied=True, head_dim=64)
     model = load_model(path, quiet=True)
     assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and model.use_kernels
+    _assert_follows_hf(model, hf)
+
+
+@pytest.mark.gpu
+def test_qwen3_on_cuda_takes_the_reference_path(tmp_path):
+    """No kernel applies Qwen3's q/k norms yet: on a GPU it loads with a warning and runs the reference
+    ops in bf16 there (still following HF), and the CUDA-graph runner refuses it."""
+    from decodex.engine import CudaGraphRunner
+
+    path, hf = make_tiny_checkpoint(tmp_path, "qwen3", tied=True, head_dim=128)
+    with pytest.warns(UserWarning, match="no kernels for Qwen3's per-head q and k norms: this model runs on "
+                                         "the reference path"):
+        model = load_model(path, quiet=True)
+    assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and not model.use_kernels
+    _assert_follows_hf(model, hf)
+    with pytest.raises(RuntimeError, match="CudaGraphRunner: decodex has no kernels for Qwen3's per-head"):
+        CudaGraphRunner(model, max_batch=1, capacity=32)
+
+
+def _assert_follows_hf(model, hf):
+    """A 12-token prompt and 8 greedy steps on `model`: logits within the bf16 floor of HF's fp32."""
     T, steps = 12, 8
     ids = torch.randint(0, model.config.vocab_size, (T,))
     cache = model.new_cache(batch=1, capacity=T + steps)
