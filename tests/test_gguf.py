@@ -290,3 +290,72 @@ def test_gguf_path_not_a_file(tmp_path):
         dgguf.convert_gguf(tmp_path / "missing.gguf", tmp_path / "out", progress=False)
     with pytest.raises(FileNotFoundError, match="not a file"):
         dgguf.convert_gguf(tmp_path, tmp_path / "out", progress=False)
+
+
+def _gguf_from_hf(path, hf, arch):
+    """`hf` (a tiny transformers model) written as llama.cpp's converter writes architecture `arch`:
+    llama.cpp's tensor names, Q and K rows (and biases) permuted for llama only, fp32 data."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("block_count", c.num_hidden_layers), ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", c.head_dim),
+                       ("attention.value_length", c.head_dim), ("context_length", c.max_position_embeddings)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_merges([])
+    w.add_token_types([3, 3] + [1] * (c.vocab_size - 2))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    gguf_names = {hf_name: name for name, hf_name in dgguf._HF_NAMES.items()}
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        i = name.split(".")[2] if name.startswith("model.layers.") else None
+        short = gguf_names[name.replace(f".{i}.", ".{i}.", 1) if i else name].format(i=i)
+        arr = p.float().numpy()
+        if arch == "llama" and short.endswith(dgguf._PERMUTED):
+            heads = c.num_attention_heads if ".attn_q." in short else c.num_key_value_heads
+            arr = _permute(arr.reshape(arr.shape[0], -1), heads).reshape(arr.shape)
+        w.add_tensor(short, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# head_dim: transformers' GGUF loader reads no attention.key_length; it takes hidden / heads (16 here)
+# for llama and qwen2, and Qwen3Config's default (128) for qwen3.
+@pytest.mark.parametrize("arch, overrides", [("llama", dict(attention_bias=True, head_dim=16)),
+                                             ("qwen2", dict(head_dim=16)),
+                                             ("qwen3", dict(tied=True, head_dim=128))])
+def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
+    """A tiny model of each architecture, written as a GGUF, converted and loaded by decodex, gives
+    transformers' logits (bf16 weights both ways, fp32 math), and transformers' own GGUF loader reads
+    the same weights from the file (so the file follows llama.cpp's conventions, not just ours)."""
+    from helpers import make_tiny_checkpoint
+
+    from decodex.loader import load_model
+    _, hf = make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **overrides)
+    path = _gguf_from_hf(tmp_path / f"{arch}.gguf", hf, arch)
+    out = dgguf.convert_gguf(path, tmp_path / "out", progress=False)
+    with open(out / "config.json") as f:
+        assert json.load(f)["model_type"] == arch
+    model = load_model(out, device="cpu", dtype=torch.float32, quiet=True)
+    ids = torch.randint(0, model.config.vocab_size, (11,))
+    got = model.prefill(ids, model.new_cache(batch=1, capacity=11), 0)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    from transformers import AutoModelForCausalLM
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    ours = hf.state_dict()
+    for name, p in theirs.state_dict().items():
+        if name in ours:
+            assert torch.equal(p, ours[name].float()), name
