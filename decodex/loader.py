@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -152,14 +153,51 @@ def load_weights(directory: str, config: ModelConfig, quiet: bool = False) -> di
     return weights
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hf_cache_dir() -> str:
+    """Where huggingface_hub keeps downloads: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def resolve_model_dir(path) -> str:
+    """`path` itself when it exists; else, for a Hugging Face repo id ("Qwen/Qwen2.5-1.5B-Instruct"),
+    the snapshot that huggingface_hub downloaded into its cache (the one refs/main names, or the only
+    one). Nothing is downloaded: a repo id not in the cache is a LoadError saying how to get it."""
+    path = os.fspath(path)
+    if os.path.exists(path) or not _REPO_ID.match(path):
+        return path
+    repo = os.path.join(hf_cache_dir(), "models--" + path.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    try:
+        with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as f:
+            commit = f.read().strip()
+        if os.path.isdir(os.path.join(snapshots, commit)):
+            return os.path.join(snapshots, commit)
+    except OSError:
+        pass
+    found = sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []
+    if len(found) == 1:
+        return os.path.join(snapshots, found[0])
+    why = (f"{len(found)} snapshots and no refs/main naming one" if found else "not there")
+    raise LoadError(f"{path}: not a local path, and as a Hugging Face repo id it is {why} in the "
+                    f"cache {hf_cache_dir()} (decodex downloads nothing: `huggingface-cli download {path}`)")
+
+
 def load_model(path, device=None, dtype=None, quiet: bool = False):
-    """config.json + safetensors in directory `path` -> Model on `device` in `dtype`.
+    """config.json + safetensors in directory `path` (or a Hugging Face repo id already in the
+    cache: resolve_model_dir) -> Model on `device` in `dtype`.
 
     Defaults: cuda if available else cpu; bf16 on cuda, fp32 on cpu.
     """
     from decodex.model import Model
 
-    directory = os.fspath(path)
+    directory = resolve_model_dir(path)
     if not os.path.isdir(directory):
         raise LoadError(f"{directory}: not a directory")
     try:

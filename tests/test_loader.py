@@ -420,3 +420,33 @@ def test_decode_position_past_the_limit():
     model.decode(tok, torch.tensor([11], dtype=torch.int32), cache)
     with pytest.raises(ValueError, match="position 12 is past the model's context of max_position_embeddings=12"):
         model.decode(tok, torch.tensor([12], dtype=torch.int32), cache)
+
+
+def test_repo_id_resolves_to_the_hf_cache(checkpoints, tmp_path, monkeypatch):
+    """A repo id that is not a local path loads the snapshot huggingface_hub downloaded (refs/main's,
+    else the only one); nothing is downloaded, and a missing repo says how to get it."""
+    from decodex.loader import resolve_model_dir
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.chdir(tmp_path)  # no local "org/tiny" directory
+    repo = hub / "models--org--tiny"
+    for commit in ("abc123", "def456"):
+        shutil.copytree(checkpoints["single"], repo / "snapshots" / commit)
+    with pytest.raises(LoadError, match=r"org/tiny: not a local path, and as a Hugging Face repo id it is "
+                                        r"2 snapshots and no refs/main naming one in the cache .*hub"):
+        resolve_model_dir("org/tiny")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("def456\n")
+    assert resolve_model_dir("org/tiny") == str(repo / "snapshots" / "def456")
+    model = load_model("org/tiny", device="cpu", quiet=True)
+    assert model.config.model_type == "llama"
+    shutil.rmtree(repo / "snapshots" / "abc123")
+    (repo / "refs" / "main").write_text("0ther\n")  # names no snapshot: the only one is taken
+    assert resolve_model_dir("org/tiny") == str(repo / "snapshots" / "def456")
+    with pytest.raises(LoadError, match=r"org/other: .* it is not there in the cache .*"
+                                        r"huggingface-cli download org/other"):
+        load_model("org/other", quiet=True)
+    assert resolve_model_dir("no-slash") == "no-slash"  # not a repo id: left to the caller's error
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # its hub/ is the cache above
+    assert resolve_model_dir("org/tiny") == str(repo / "snapshots" / "def456")
