@@ -52,6 +52,29 @@ def test_generate_options_in_process(capsys, one_thread):
     assert out.strip() and STATS_LINE.match(err.strip().splitlines()[-1])
 
 
+def test_chat_keeps_the_conversation(capsys, monkeypatch, one_thread):
+    """Each turn's prompt is the conversation so far (system message, earlier turns and answers);
+    /reset starts again; an empty line ends the session. One stats line a turn on stderr."""
+    import io
+    G = importlib.import_module("decodex.generate")
+    prompts = []
+    real = G.generate
+    monkeypatch.setattr(G, "generate", lambda model, prompt, **k: prompts.append(
+        [dict(m) for m in prompt]) or real(model, prompt, **k))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/reset\n"
+                                                  "Hi\n\nnot read\n"))
+    assert cli.main(["chat", "--model", smollm_dir(), "--device", "cpu", "--max-new-tokens", "6",
+                     "--system", "Be brief."]) == 0
+    out, err = capsys.readouterr()
+    assert len(prompts) == 3 and len([l for l in err.splitlines() if STATS_LINE.match(l)]) == 3
+    system = {"role": "system", "content": "Be brief."}
+    assert prompts[0] == [system, {"role": "user", "content": "What is the capital of France?"}]
+    first = prompts[1][2]["content"]
+    assert prompts[1][2]["role"] == "assistant" and first and out.startswith(first + "\n")
+    assert prompts[1][3] == {"role": "user", "content": "And of Italy?"} and len(prompts[1]) == 4
+    assert prompts[2] == [system, {"role": "user", "content": "Hi"}]
+
+
 def test_errors(capsys, tmp_path):
     assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
     assert "decodex: error:" in capsys.readouterr().err

@@ -380,3 +380,14 @@ def test_load_a_gguf_file_converts_it_once(tmp_path, monkeypatch):
     assert decodex.load(path, device="cpu", quiet=True).path != first.path and len(converted) == 2
     with pytest.raises(FileNotFoundError, match="missing.gguf: GGUF file not found"):
         decodex.load(tmp_path / "missing.gguf", quiet=True)
+
+
+def test_chat_needs_a_chat_template(tmp_path, monkeypatch, capsys):
+    """`decodex chat` on a model without a chat template (this GGUF has none) fails before reading
+    stdin, naming the model and the alternative."""
+    from decodex import cli
+    monkeypatch.setenv("DECODEX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("sys.stdin", None)  # never read
+    assert cli.main(["chat", "--model", str(_tiny_gguf(tmp_path / "t.gguf")), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "decodex: error:" in err and "has no chat template, which chat needs" in err and "--no-chat" in err
