@@ -97,7 +97,8 @@ def _convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decodex", description="Fast LLM decode on CUDA (Qwen / Llama / Mistral).")
+    parser = argparse.ArgumentParser(prog="decodex",
+                                     description="Fast LLM decode on CUDA (Qwen / Llama / Mistral).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streamed to stdout)",

@@ -297,6 +297,12 @@ def _say(progress: bool, msg: str, end="\n"):
         sys.stderr.flush()
 
 
+def _require_file(gguf_path: Path) -> None:
+    if not gguf_path.is_file():
+        why = "not a file" if gguf_path.exists() else "GGUF file not found"
+        raise FileNotFoundError(f"{gguf_path}: {why}")
+
+
 def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     """Converts a llama, qwen2 or qwen3 GGUF file into an HF-format directory `out_dir` (created;
     files in it are overwritten). Returns the directory. Progress goes to stderr."""
@@ -306,9 +312,7 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     start = time.perf_counter()
-    if not gguf_path.is_file():
-        why = "not a file" if gguf_path.exists() else "GGUF file not found"
-        raise FileNotFoundError(f"{gguf_path}: {why}")
+    _require_file(gguf_path)
     try:
         reader = gguf.GGUFReader(str(gguf_path))
         meta = read_metadata(reader)
@@ -439,9 +443,7 @@ def gguf_model_dir(gguf_path, progress: bool = True) -> Path:
     named after the file's resolved path, size and modification time, so a file that changes is
     converted again (earlier entries stay in cache_dir() until removed)."""
     gguf_path = Path(gguf_path)
-    if not gguf_path.is_file():
-        why = "not a file" if gguf_path.exists() else "GGUF file not found"
-        raise FileNotFoundError(f"{gguf_path}: {why}")
+    _require_file(gguf_path)
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     return _cached_conversion(gguf_path, cache_dir() / f"{gguf_path.stem}-{key}-v{CONVERTER_VERSION}", progress)
