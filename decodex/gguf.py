@@ -3,8 +3,8 @@
 A GGUF (llama.cpp's single-file format) of architecture llama (Llama, Mistral, SmolLM2), qwen2 or
 qwen3 becomes a directory decodex's loader (and transformers) reads: config.json from the metadata,
 model.safetensors in bf16 (each tensor dequantized with the `gguf` package), tokenizer.json rebuilt
-from the stored vocabulary and merges, tokenizer_config.json with the chat template and special
-tokens, generation_config.json.
+from the stored vocabulary (byte-level BPE, or SentencePiece BPE with merges from the scores),
+tokenizer_config.json with the chat template and special tokens, generation_config.json.
 
 Two things llama.cpp changes on the way in, and that are undone here:
 - For llama only, Q and K rows (weights and biases) are permuted so that RoPE rotates interleaved
@@ -176,44 +176,67 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` for a GGUF byte-level BPE vocabulary (tokenizer.ggml.model 'gpt2'),
-    built as transformers' GGUF loader builds it, so both give the same ids."""
+    """A `tokenizers.Tokenizer` for a GGUF vocabulary, built as transformers' GGUF loader builds it,
+    so both give the same ids: byte-level BPE (tokenizer.ggml.model 'gpt2': Llama 3, Qwen, SmolLM2)
+    or SentencePiece BPE ('llama': Llama 2, Mistral), whose merges come from the file or, when it
+    has none, from the tokens' scores."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is supported")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"GGUF tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level BPE) "
+                         "and 'llama' (SentencePiece BPE)")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ValueError("GGUF metadata tokenizer.ggml.tokens is missing or empty")
-    merges = meta.get("tokenizer.ggml.merges") or []
+    merges = meta.get("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type") or []
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
 
-    def spell(token: str) -> str:  # a token stored as raw text is re-spelled in the byte alphabet
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+    if kind == "gpt2":
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
 
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(spell(token), i)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                               dropout=None, unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        def spell(token: str) -> str:  # a token stored as raw text is re-spelled in the byte alphabet
+            return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+
+        vocab: dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            vocab.setdefault(spell(token), i)
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges or []],
+                                   dropout=None, unk_token=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
+        # Words are marked by a leading "▁" (a space before the first word too); characters
+        # outside the vocabulary fall back to their UTF-8 bytes' <0xNN> tokens.
+        alphabet = None
+        vocab = {}
+        for i, token in enumerate(tokens):
+            vocab.setdefault(token, i)
+        if merges is not None:
+            pairs = [tuple(m.split(" ", 1)) for m in merges]
+        else:
+            pairs = _merges_from_scores(vocab, meta.get("tokenizer.ggml.scores"))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=True,
+                                   byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                     split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(content=" ", left=1, right=0)])
 
-    # Control tokens (<|im_start|>, <|endoftext|>) are matched whole and are special; user-defined
-    # ones (<think>) are matched whole but are ordinary text. A control token spelled outside the
-    # byte alphabet is a llama.cpp mislabel: adding it would grow the vocabulary, so it is skipped.
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
+    # Control tokens (<|im_start|>, <|endoftext|>, <s>) are matched whole and are special; user-
+    # defined ones (<think>) are matched whole but are ordinary text. In a byte-level vocabulary a
+    # control token spelled outside the byte alphabet is a llama.cpp mislabel: adding it would grow
+    # the vocabulary, so it is skipped.
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+               if ty == _TOKEN_CONTROL and (alphabet is None or set(t) <= alphabet)]
     if control:
         tok.add_special_tokens(control)
     user = [AddedToken(t, special=False, normalized=False)
@@ -228,7 +251,7 @@ def build_tokenizer(meta: dict):
             raise ValueError(f"GGUF metadata tokenizer.ggml.{name} = {i} is not a token id "
                              f"(the vocabulary has {len(tokens)} tokens)")
     single, special = ["$A"], []
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+    if _adds_bos(meta) and bos_id is not None:
         single = [tokens[bos_id]] + single
         special.append((tokens[bos_id], bos_id))
     if meta.get("tokenizer.ggml.add_eos_token") and eos_id is not None:
@@ -236,6 +259,29 @@ def build_tokenizer(meta: dict):
         special.append((tokens[eos_id], eos_id))
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
     return tok
+
+
+def _adds_bos(meta: dict) -> bool:
+    """tokenizer.ggml.add_bos_token; a SentencePiece vocabulary without the flag adds BOS (llama.cpp
+    and transformers both do)."""
+    return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+
+
+def _merges_from_scores(vocab: dict[str, int], scores) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens,
+    the splits of higher-scored tokens first (a longer left piece first on equal scores, then the
+    tokens' order), and each token's splits by their pieces' ids."""
+    if not isinstance(scores, list) or len(scores) < len(vocab):
+        raise ValueError("GGUF metadata tokenizer.ggml.scores is missing or short, and there are no "
+                         "tokenizer.ggml.merges to use instead")
+    found = []  # (score, len(left), len(right), order, left, right)
+    for token, i in vocab.items():
+        splits = sorted(((vocab[token[:k]], vocab[token[k:]], k) for k in range(1, len(token))
+                         if token[:k] in vocab and token[k:] in vocab))
+        for _, _, k in splits:
+            found.append((scores[i], k, len(token) - k, len(found), token[:k], token[k:]))
+    found.sort(key=lambda m: (-m[0], -m[1], -m[2], m[3]))
+    return [(left, right) for *_, left, right in found]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +424,7 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
         "eos_token": token("eos_token_id"),
         "unk_token": token("unknown_token_id"),
         "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": _adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],

@@ -201,11 +201,12 @@ def test_rejects_other_architectures(tmp_path):
         dgguf.convert_gguf(path, tmp_path / "out", progress=False)
 
 
-def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0):
+def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0, spm=None):
     """A one-layer llama GGUF (fp32 weights, a 6-token byte-level BPE vocabulary) that converts and
     loads; `meta` overrides llama.* integers, `drop` leaves metadata out (a key, or "tokens"),
     `tensors` edits the {name: shape} map, `up_type` stores ffn_up as that raw GGML type, `bos` is
-    the BOS id (added to every encoding)."""
+    the BOS id (added to every encoding). spm: (tokens, scores, types), a SentencePiece vocabulary
+    instead, with no add_bos_token flag."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "llama")
     ints = dict({"embedding_length": 8, "feed_forward_length": 16, "block_count": 1,
@@ -215,15 +216,21 @@ def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0):
         if k not in drop:
             w.add_uint32(f"llama.{k}", v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    if "tokens" not in drop:
+    if spm is not None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(spm[0])
+        w.add_token_scores(spm[1])
+        w.add_token_types(spm[2])
+    elif "tokens" not in drop:
         w.add_tokenizer_model("gpt2")
         w.add_token_list(["<s>", "</s>", "a", "b", "ab", "c"])
         w.add_token_merges(["a b"])
         w.add_token_types([3, 3, 1, 1, 1, 1])
     w.add_bos_token_id(bos)
     w.add_eos_token_id(1)
-    w.add_add_bos_token(True)
-    shapes = {"token_embd.weight": (6, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
+    if spm is None:
+        w.add_add_bos_token(True)
+    shapes = {"token_embd.weight": (6 if spm is None else len(spm[0]), 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
               "blk.0.ffn_norm.weight": (8,), "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8),
               "blk.0.attn_v.weight": (4, 8), "blk.0.attn_output.weight": (8, 8),
               "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
@@ -391,3 +398,40 @@ def test_chat_needs_a_chat_template(tmp_path, monkeypatch, capsys):
     assert cli.main(["chat", "--model", str(_tiny_gguf(tmp_path / "t.gguf")), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "decodex: error:" in err and "has no chat template, which chat needs" in err and "--no-chat" in err
+
+
+def _spm_vocab():
+    """A small SentencePiece vocabulary as llama.cpp stores one: <unk>, <s>, </s> (bos 1 here would
+    clash with _tiny_gguf's eos 1, so <s> is 0 and <unk> 2), the 256 byte tokens, then pieces with
+    falling scores, some of them splittable several ways."""
+    pieces = ["\u2581", "a", "b", "c", "h", "e", "l", "o", "\u2581a", "ab", "bc", "\u2581ab", "abc", "\u2581abc",
+              "ll", "he", "llo", "\u2581he", "\u2581hello", "lo", "\u2581b", "\u2581c", "\u2581h",
+              "x", "y", "z", "xy", "yz"]  # no "xyz": "xy" (scored higher) must merge before "yz"
+    tokens = ["<s>", "</s>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = [3, 3, 2] + [6] * 256 + [1] * len(pieces)
+    return tokens, scores, types
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    """A llama GGUF with a SentencePiece vocabulary (Llama 2's, Mistral's; no merges stored, so they
+    come from the scores): the converted tokenizer gives transformers' GGUF tokenizer's ids and
+    text, BOS first by default, bytes for characters it lacks."""
+    from transformers import AutoTokenizer
+
+    from decodex.tokenizer import Tokenizer
+    path = _tiny_gguf(tmp_path / "spm.gguf", spm=_spm_vocab())
+    out = dgguf.convert_gguf(path, tmp_path / "out", progress=False)
+    ours = Tokenizer.from_dir(str(out))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["hello abc", "abc", "abcbc hello", " hello", "hello  ab\nc", "é€", "<s>ab</s>", "", "xyz zxyz"]:
+        ids = ours.encode(text, add_special_tokens=True)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids), text
+    assert ours.encode("hello", add_special_tokens=True)[0] == 0  # BOS: the file has no add_bos_token flag
+    assert ours.encode("é") == [259, 198, 172]  # "\u2581" then é's two UTF-8 bytes
+    assert ours.decode(ours.encode("é")) == "é"
+    assert ours.encode("xyz") == [ours.token_to_id(t) for t in ("\u2581", "xy", "z")]
+    import decodex
+    model = decodex.load(out, device="cpu", quiet=True)  # and the model generates through it
+    assert isinstance(decodex.generate(model, "hello", max_new_tokens=4, chat=False), str)
