@@ -37,6 +37,31 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads", "max_position_embeddings")
 
 
+def _yarn_fields(scaling: dict, name: str, max_position_embeddings: int, fail) -> dict:
+    """A yarn rope_scaling dict, checked, with transformers' defaults filled in (the original
+    context defaults to max_position_embeddings)."""
+    out = {"rope_type": "yarn"}
+    for key, required in (("factor", True), ("original_max_position_embeddings", False),
+                          ("beta_fast", False), ("beta_slow", False), ("attention_factor", False),
+                          ("mscale", False), ("mscale_all_dim", False)):
+        value = scaling.get(key)
+        if value is None:
+            if required:
+                fail(f"{name}.{key}", "is required for yarn scaling")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            fail(f"{name}.{key}", f"must be a positive finite number for yarn scaling, got {value!r}")
+        out[key] = value
+    out.setdefault("original_max_position_embeddings", max_position_embeddings)
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        fail(f"{name}.truncate", f"must be true or false, got {truncate!r}")
+    out["truncate"] = truncate
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        fail(f"{name}.partial_rotary_factor", "is not 1; partial RoPE is not supported")
+    return out
+
+
 @dataclass
 class ModelConfig:
     model_type: str  # 'qwen2' | 'qwen3' | 'llama' | 'mistral'
@@ -49,7 +74,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None, or a llama3 dict with "rope_type": "llama3"
+    rope_scaling: dict | None  # None, or a llama3 or yarn dict ("rope_type" and its fields)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # qwen2: q/k/v bias; llama, qwen3: q/k/v/o bias; mistral: none
@@ -181,8 +206,10 @@ class ModelConfig:
                     rope_scaling[name] = value
                 if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
                     fail(f"{scaling_name}.high_freq_factor", "must exceed low_freq_factor")
+            elif kind == "yarn":
+                rope_scaling = _yarn_fields(scaling, scaling_name, raw["max_position_embeddings"], fail)
             elif kind not in (None, "default"):
-                fail(f"{scaling_name}.rope_type", f"is {kind!r}; supported: default, llama3")
+                fail(f"{scaling_name}.rope_type", f"is {kind!r}; supported: default, llama3, yarn")
 
         eos_list = token_ids(raw.get("eos_token_id"), source, "eos_token_id")
 
@@ -211,6 +238,24 @@ class ModelConfig:
             bos_token_id=get("bos_token_id", int, default=None),
             eos_token_id=eos_list,
         )
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens a sequence may hold: max_position_embeddings, or with YaRN the original
+        context times the factor where that is more (Qwen2.5 keeps 32768 beside factor 4)."""
+        s = self.rope_scaling
+        if s and s["rope_type"] == "yarn":
+            return max(self.max_position_embeddings, int(s["factor"] * s["original_max_position_embeddings"]))
+        return self.max_position_embeddings
+
+    @property
+    def context_name(self) -> str:
+        """max_context as error messages name it."""
+        if self.max_context == self.max_position_embeddings:
+            return f"max_position_embeddings={self.max_position_embeddings}"
+        s = self.rope_scaling
+        return (f"{self.max_context} (YaRN: factor {s['factor']} x original_max_position_embeddings "
+                f"{s['original_max_position_embeddings']})")
 
     @property
     def o_proj_bias(self) -> bool:

@@ -1137,12 +1137,12 @@ class CudaGraphRunner(HostLoop):
     # ---- HostLoop's device interface --------------------------------------------------------------
 
     def _limit(self) -> int:
-        return min(self.capacity, self.config.max_position_embeddings)
+        return min(self.capacity, self.config.max_context)
 
     def _limit_reason(self) -> str:
-        if self.capacity <= self.config.max_position_embeddings:
+        if self.capacity <= self.config.max_context:
             return f"the KV cache capacity of {self.capacity} tokens"
-        return f"the model's max_position_embeddings={self.config.max_position_embeddings}"
+        return f"the model's {self.config.context_name}"
 
     def _dev_reset(self) -> None:
         self.reset()

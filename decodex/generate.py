@@ -253,7 +253,7 @@ def _runner_for(model, batch: int, capacity: int):
         return runner
     if not busy:
         model._decodex_runner = None  # free the old cache before allocating the new one
-    max_pos = model.config.max_position_embeddings
+    max_pos = model.config.max_context
     if graph:  # round up so later calls reuse the runner
         capacity = min(max_pos, -(-capacity // 256) * 256)
         batch = 1 << (batch - 1).bit_length()
@@ -448,8 +448,9 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
 
     Stops at max_new_tokens, at any EOS id of the model (generation_config.json; not part of the
     text), or at the first of the `stop` strings (the text ends just before it). Special tokens are
-    left out of the text. The context holds min(max_position_embeddings, prompt + max_new_tokens)
-    tokens; a prompt that leaves no room for a new token raises ValueError naming the limit.
+    left out of the text. The context holds min(the model's max_context, prompt + max_new_tokens)
+    tokens (max_context: max_position_embeddings, more with YaRN scaling); a prompt that leaves no
+    room for a new token raises ValueError naming the limit.
 
     Returns a str (a list of str for a list of prompts); (text, GenerationStats) with return_stats.
     stream=True returns a GenerationStream instead: an iterator of text pieces (of (index, piece)
@@ -489,11 +490,11 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
         if not ids:
             raise ValueError(f"prompt {i} is empty after tokenization")
 
-    max_pos = model.config.max_position_embeddings
+    max_pos = model.config.max_context
     longest = max(len(ids) for ids in prompt_ids)
     if longest >= max_pos:
         raise ValueError(f"prompt of {longest} tokens leaves no room in the model's context of "
-                         f"max_position_embeddings={max_pos} tokens")
+                         f"{model.config.context_name} tokens")
     # Each sequence may hold at most max_pos tokens, prompt included.
     max_new = [min(max_new_tokens, max_pos - len(ids)) for ids in prompt_ids]
 

@@ -318,7 +318,7 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(meta, arch),
         "hidden_act": "silu",
         "attention_bias": model_type == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": False,
@@ -329,6 +329,22 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
     }
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    """{arch}.rope.scaling.*: none, or YaRN as config.json spells it; another kind is refused (left
+    out, it would silently change every position past the original context)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"GGUF metadata {arch}.rope.scaling.type = {kind!r} is not supported (none, yarn)")
+    scaling = {"rope_type": "yarn", "factor": meta.get(f"{arch}.rope.scaling.factor"),
+               "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
+    for key, value in scaling.items():
+        if value is None:
+            raise ValueError(f"GGUF metadata {arch}.rope.scaling.type is yarn but its {key} is missing")
+    return scaling
 
 
 def _umask() -> int:

@@ -221,7 +221,8 @@ class Model:
                 k_norm=w(a + "k_norm.weight") if c.qk_norm else None,
             ))
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
-        self.scale = 1.0 / math.sqrt(c.head_dim)
+        # YaRN scales cos and sin, so q and k, by its attention factor: every logit by its square.
+        self.scale = reference.rope_attention_factor(c.rope_scaling) ** 2 / math.sqrt(c.head_dim)
         self.use_kernels = self.kernels_supported()
         gap = self.kernels_missing()
         if gap and self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16:
@@ -296,9 +297,8 @@ class Model:
         T = tokens.shape[0]
         if T > cache.capacity:
             raise ValueError(f"prompt of {T} tokens exceeds the KV cache capacity of {cache.capacity} tokens")
-        if T > c.max_position_embeddings:
-            raise ValueError(f"prompt of {T} tokens exceeds the model's context of "
-                             f"max_position_embeddings={c.max_position_embeddings} tokens")
+        if T > c.max_context:
+            raise ValueError(f"prompt of {T} tokens exceeds the model's context of {c.context_name} tokens")
         if not 0 <= slot < cache.batch:
             raise ValueError(f"slot {slot} is outside the cache batch of {cache.batch}")
         H, D = c.num_attention_heads, c.head_dim
@@ -341,13 +341,13 @@ class Model:
                              f"and {list(positions.shape)}")
         if B > cache.batch:
             raise ValueError(f"decode batch {B} exceeds the cache batch of {cache.batch}")
-        limit = min(cache.capacity, c.max_position_embeddings)
+        limit = min(cache.capacity, c.max_context)
         tokens = torch.where(positions >= 0, tokens, 0)  # skipped rows may hold any token id
         # The last position and the live ids' range in one host read (the eager path's one sync a step).
         last, lo, hi = torch.stack([positions.max().long(), *torch.aminmax(tokens)]).tolist()
         if last >= limit:
-            what = (f"the KV cache capacity of {cache.capacity}" if cache.capacity <= c.max_position_embeddings
-                    else f"the model's context of max_position_embeddings={c.max_position_embeddings}")
+            what = (f"the KV cache capacity of {cache.capacity}" if cache.capacity <= c.max_context
+                    else f"the model's context of {c.context_name}")
             raise ValueError(f"position {last} is past {what} tokens")
         _check_id_range(lo, hi, c.vocab_size, "decode")
         lengths = (positions + 1).clamp(min=0)  # [B] int32: cache rows each query attends over

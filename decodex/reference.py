@@ -83,15 +83,17 @@ def fused_add_rms_norm(
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies [D/2] (fp32) of the half-split RoPE, with Llama-3 scaling if given."""
+    """Inverse frequencies [D/2] (fp32) of the half-split RoPE, with Llama-3 or YaRN scaling if given."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv_freq
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, yarn)")
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
     high_freq_factor = scaling["high_freq_factor"]
@@ -105,6 +107,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: pairs that turn more than beta_fast times over the original context keep their
+    frequency, pairs that turn fewer than beta_slow times are slowed by `factor`, and the pairs
+    between are blended along a linear ramp of the pair index."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    period = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # 2 pi / frequency of each pair
+
+    def pair_turning(turns):  # the (fractional) pair index whose pair turns `turns` times over `original`
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if high == low:
+        high += 0.001
+    slowed = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return (1.0 / (factor * period)) * slowed + (1.0 / period) * (1 - slowed)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN scales cos and sin by (so q and k by it, and every attention logit by its
+    square); 1 for other RoPE types."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor, m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return float(mscale(factor))
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

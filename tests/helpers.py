@@ -22,6 +22,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_la
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _randomize_(named_params, generator: torch.Generator):

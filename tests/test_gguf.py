@@ -12,6 +12,7 @@ import torch
 
 from _smollm import cache_root, hf_gguf_args, require_gguf, smollm_dir
 from decodex import gguf as dgguf
+from helpers import YARN_SCALING, make_tiny_checkpoint
 
 # Chat prompts for the greedy comparison: answers longer than 32 tokens, so EOS does not end them.
 GREEDY_CHATS = [
@@ -201,12 +202,12 @@ def test_rejects_other_architectures(tmp_path):
         dgguf.convert_gguf(path, tmp_path / "out", progress=False)
 
 
-def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0, spm=None):
+def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0, spm=None, strings=None):
     """A one-layer llama GGUF (fp32 weights, a 6-token byte-level BPE vocabulary) that converts and
     loads; `meta` overrides llama.* integers, `drop` leaves metadata out (a key, or "tokens"),
     `tensors` edits the {name: shape} map, `up_type` stores ffn_up as that raw GGML type, `bos` is
     the BOS id (added to every encoding). spm: (tokens, scores, types), a SentencePiece vocabulary
-    instead, with no add_bos_token flag."""
+    instead, with no add_bos_token flag. strings: more string metadata."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "llama")
     ints = dict({"embedding_length": 8, "feed_forward_length": 16, "block_count": 1,
@@ -216,6 +217,8 @@ def _tiny_gguf(path, meta=None, drop=(), tensors=None, up_type=None, bos=0, spm=
         if k not in drop:
             w.add_uint32(f"llama.{k}", v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, value in (strings or {}).items():
+        w.add_string(key, value)
     if spm is not None:
         w.add_tokenizer_model("llama")
         w.add_token_list(spm[0])
@@ -312,6 +315,11 @@ def _gguf_from_hf(path, hf, arch):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    if c.rope_parameters.get("rope_type") == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", c.rope_parameters["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     c.rope_parameters["original_max_position_embeddings"])
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     w.add_token_merges([])
@@ -340,13 +348,12 @@ def _gguf_from_hf(path, hf, arch):
 # for llama and qwen2, and Qwen3Config's default (128) for qwen3.
 @pytest.mark.parametrize("arch, overrides", [("llama", dict(attention_bias=True, head_dim=16)),
                                              ("qwen2", dict(head_dim=16)),
-                                             ("qwen3", dict(tied=True, head_dim=128))])
+                                             ("qwen3", dict(tied=True, head_dim=128)),
+                                             ("qwen2", dict(head_dim=16, rope_scaling=YARN_SCALING))])
 def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
     """A tiny model of each architecture, written as a GGUF, converted and loaded by decodex, gives
     transformers' logits (bf16 weights both ways, fp32 math), and transformers' own GGUF loader reads
     the same weights from the file (so the file follows llama.cpp's conventions, not just ours)."""
-    from helpers import make_tiny_checkpoint
-
     from decodex.loader import load_model
     _, hf = make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **overrides)
     path = _gguf_from_hf(tmp_path / f"{arch}.gguf", hf, arch)
@@ -354,8 +361,10 @@ def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
     with open(out / "config.json") as f:
         assert json.load(f)["model_type"] == arch
     model = load_model(out, device="cpu", dtype=torch.float32, quiet=True)
-    ids = torch.randint(0, model.config.vocab_size, (11,))
-    got = model.prefill(ids, model.new_cache(batch=1, capacity=11), 0)
+    assert model.config.rope_scaling == (None if "rope_scaling" not in overrides else
+                                         dict(YARN_SCALING, truncate=True))
+    ids = torch.randint(0, model.config.vocab_size, (100,))  # past YaRN's original 64 positions
+    got = model.prefill(ids, model.new_cache(batch=1, capacity=100), 0)
     with torch.no_grad():
         want = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -435,3 +444,13 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     import decodex
     model = decodex.load(out, device="cpu", quiet=True)  # and the model generates through it
     assert isinstance(decodex.generate(model, "hello", max_new_tokens=4, chat=False), str)
+
+
+def test_gguf_rope_scaling_other_than_yarn_is_refused(tmp_path):
+    """Left out, a linear (or any other) scaling would silently move every position past the
+    original context."""
+    from decodex.config import LoadError
+    path = tmp_path / "linear.gguf"
+    _tiny_gguf(path, strings={"llama.rope.scaling.type": "linear"})
+    with pytest.raises(LoadError, match="llama.rope.scaling.type = 'linear' is not supported"):
+        dgguf.convert_gguf(path, tmp_path / "out", progress=False)

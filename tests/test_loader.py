@@ -60,8 +60,14 @@ def _load(path):
     (dict(hidden_size=_DELETE), ["hidden_size", "required"]),
     (dict(num_hidden_layers="2"), ["num_hidden_layers", "integer"]),
     (dict(num_key_value_heads=3), ["num_key_value_heads", "divide"]),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     ["rope_parameters.rope_type", "yarn"]),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     ["rope_parameters.rope_type", "dynamic"]),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), ["rope_parameters.factor", "required"]),
+    (dict(rope_scaling={"type": "yarn", "factor": -4.0}), ["rope_scaling.factor", "positive"]),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": float("nan")}), ["rope_scaling.beta_fast"]),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "truncate": 1}), ["rope_scaling.truncate", "true or false"]),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}),
+     ["rope_scaling.partial_rotary_factor"]),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), ["rope_scaling.rope_type", "linear"]),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                         "high_freq_factor": 4.0}), ["rope_scaling.original_max_position_embeddings"]),
@@ -184,7 +190,7 @@ def test_old_and_new_config_dialects():
 
 def test_qwen3_config_as_published():
     """Qwen3-0.6B's config.json: head_dim 128 beside hidden 1024 / 16 heads, q/k norms, no biases;
-    a sliding window or YaRN scaling is refused."""
+    a sliding window or dynamic RoPE scaling is refused."""
     raw = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, bos_token_id=151643,
                eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, intermediate_size=3072,
                max_position_embeddings=40960, max_window_layers=28, num_attention_heads=16, num_hidden_layers=28,
@@ -200,7 +206,7 @@ def test_qwen3_config_as_published():
     biased = ModelConfig.from_dict(dict(raw, attention_bias=True)).weight_shapes()
     assert biased["model.layers.0.self_attn.o_proj.bias"] == (1024,)
     for change, field in ((dict(use_sliding_window=True, sliding_window=4096), "use_sliding_window"),
-                          (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type")):
+                          (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling.rope_type")):
         with pytest.raises(LoadError, match=f"'{field}'"):
             ModelConfig.from_dict(dict(raw, **change))
     qwen2 = ModelConfig.from_dict(dict(raw, model_type="qwen2"))
@@ -213,6 +219,43 @@ def test_kernels_missing_names_what_the_kernels_do_not_compute():
     assert random_model("qwen3").kernels_missing() == "head dim 32 (they are built for 64 and 128)"
     assert random_model("qwen3", head_dim=128).kernels_missing() == "Qwen3's per-head q and k norms"
     assert random_model("qwen3", head_dim=128).use_kernels is False
+
+
+def test_yarn_context():
+    """Qwen2.5's documented long-context setting (YaRN, factor 4 over its 32768 positions): the
+    context is 131072 tokens and errors name how; a config whose max_position_embeddings already
+    is the longer one keeps it; without the original context, max_position_embeddings is it."""
+    base = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                max_position_embeddings=32768, rope_theta=1000000.0)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+    c = ModelConfig.from_dict(dict(base, rope_scaling=yarn))
+    assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                              "truncate": True}
+    assert c.max_context == 131072 and c.max_position_embeddings == 32768
+    assert c.context_name == "131072 (YaRN: factor 4.0 x original_max_position_embeddings 32768)"
+    longer = ModelConfig.from_dict(dict(base, max_position_embeddings=262144, rope_scaling=yarn))
+    assert longer.max_context == 262144 and longer.context_name == "max_position_embeddings=262144"
+    implicit = ModelConfig.from_dict(dict(base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    assert implicit.rope_scaling["original_max_position_embeddings"] == 32768 and implicit.max_context == 65536
+    plain = ModelConfig.from_dict(base)
+    assert plain.max_context == 32768 and plain.context_name == "max_position_embeddings=32768"
+
+
+def test_yarn_context_limits_generation():
+    """The longer context is what the model's decode accepts, and its error names it."""
+    model = random_model("qwen2", max_position_embeddings=12,
+                         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8})
+    assert model.config.max_context == 16
+    cache = model.new_cache(batch=1, capacity=32)
+    model.prefill(torch.arange(14), cache, 0)  # past max_position_embeddings, inside the context
+    tok = torch.tensor([1])
+    model.decode(tok, torch.tensor([15], dtype=torch.int32), cache)
+    with pytest.raises(ValueError, match=r"position 16 is past the model's context of 16 \(YaRN: factor 2.0 x "
+                                         r"original_max_position_embeddings 8\) tokens"):
+        model.decode(tok, torch.tensor([16], dtype=torch.int32), cache)
+    with pytest.raises(ValueError, match=r"prompt of 17 tokens exceeds the model's context of 16 \(YaRN"):
+        model.prefill(torch.arange(17), cache, 0)
 
 
 def test_mistral_configs_as_published():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from decodex.loader import load_model
-from helpers import LLAMA3_SCALING, make_tiny_checkpoint, random_model, random_weights, tiny_config
+from helpers import LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, random_model, random_weights, tiny_config
 
 # fp32 vs fp32 (transformers): both do the same math in fp32, so only summation order differs:
 # ~1e-6 relative seen; 1e-4 relative to the largest logit leaves room for other BLAS builds.
@@ -27,6 +27,14 @@ HF_CASES = {
     "llama3-rope-scaling": ("llama", False, False, LLAMA3_SCALING, torch.float32, 61, {}),
     "llama-tied-fp16": ("llama", True, False, None, torch.float16, 11, {"rope_theta": 500000.0}),
     "llama-attention-bias": ("llama", False, False, None, torch.float32, 7, {"attention_bias": True}),
+    # YaRN (Qwen2.5's long-context setting): positions 0..80 pass the original context of 64; the
+    # default attention factor, then beta, mscale and truncate given (Llama), then an explicit factor.
+    "qwen2-yarn": ("qwen2", False, False, YARN_SCALING, torch.float32, 61, {}),
+    "llama-yarn-fields": ("llama", False, False, dict(YARN_SCALING, factor=8.0, beta_fast=16, beta_slow=2,
+                                                      mscale=0.8, mscale_all_dim=0.5, truncate=False),
+                          torch.float32, 61, {}),
+    "qwen3-yarn-attention-factor": ("qwen3", True, False, dict(YARN_SCALING, attention_factor=1.3),
+                                    torch.float32, 61, {}),
     # Qwen3: q_norm / k_norm on each head before RoPE; tied as the small ones are, and with the
     # optional q/k/v/o biases.
     "qwen3-tied-bf16": ("qwen3", True, False, None, torch.bfloat16, 12, {}),
@@ -180,6 +188,10 @@ GPU_CASES = {
                              head_dim=64, intermediate_size=512, vocab_size=1000, rope_scaling=LLAMA3_SCALING),
     "llama-d128-tied": dict(model_type="llama", hidden_size=512, num_attention_heads=4, num_key_value_heads=1,
                             head_dim=128, intermediate_size=1024, vocab_size=1000, tie_word_embeddings=True),
+    # YaRN: its frequencies reach the rope kernels through inv_freq, its attention factor the
+    # attention through the scale; the 64 decode steps pass the original context of 64.
+    "qwen2-d128-yarn": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=128, intermediate_size=704, vocab_size=1000, rope_scaling=YARN_SCALING),
     # q's width (4 x 128) is not hidden_size, as in Mistral Nemo.
     "mistral-d128-wide-q": dict(model_type="mistral", hidden_size=384, num_attention_heads=4, num_key_value_heads=1,
                                 head_dim=128, intermediate_size=768, vocab_size=1000, rope_theta=1e6),

@@ -60,8 +60,8 @@ def test_llama3_scaling_by_hand():
     torch.testing.assert_close(scaled[low], plain[low] / 8.0)
     mid = ~high & ~low
     assert (scaled[mid] < plain[mid]).all() and (scaled[mid] > plain[mid] / 8.0).all()
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        ref.rope_inv_freq(32, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
+        ref.rope_inv_freq(32, 1e4, {"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_rope_append_writes_the_cache_at_the_position():
@@ -307,3 +307,25 @@ def test_sample_draw_lands_on_the_first_token_past_u():
                              torch.tensor([seed]), torch.tensor([0])))
         assert got == math.floor(u * V), (seed, u)
     assert on_boundary > 0  # the fixed seeds include draws on a boundary
+
+
+@pytest.mark.parametrize("fields", [
+    dict(factor=4.0, original_max_position_embeddings=64),
+    dict(factor=4.0, original_max_position_embeddings=32768),  # Qwen2.5's, for head dim 128 below
+    dict(factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2, truncate=False),
+    dict(factor=8.0, original_max_position_embeddings=64, mscale=0.8, mscale_all_dim=0.5),
+    dict(factor=2.0, original_max_position_embeddings=100, attention_factor=1.3),
+    dict(factor=1.0, original_max_position_embeddings=64),  # no slowing; attention factor 1
+])
+@pytest.mark.parametrize("head_dim, theta", [(32, 10000.0), (128, 1000000.0)])
+def test_yarn_matches_transformers(fields, head_dim, theta):
+    """YaRN's frequencies and attention factor against transformers' own computation of them."""
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    scaling = dict(fields, rope_type="yarn")
+    config = Qwen2Config(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=512, rope_scaling=dict(scaling, rope_theta=theta))
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    torch.testing.assert_close(ref.rope_inv_freq(head_dim, theta, scaling), want_freq, rtol=1e-6, atol=0)
+    assert ref.rope_attention_factor(scaling) == pytest.approx(want_factor, rel=1e-12)
+    assert ref.rope_attention_factor(None) == ref.rope_attention_factor({"rope_type": "llama3"}) == 1.0
