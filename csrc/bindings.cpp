@@ -47,10 +47,11 @@ TORCH_LIBRARY(decodex, m) {
   // k and v then written to k_cache/v_cache[B,Hkv,S,D] at that position. positions[b] < 0: row skipped.
   // rms_x [B, K] (with rms_eps) and bias [(H+2Hkv)*D]: q, k, v (rows of an unscaled q|k|v product)
   // first scaled by 1/rms(rms_x row), biased and rounded to bf16, as gemv(rms_eps) + bias stores
-  // them; v keeps its values, its cache row gets the scaled ones.
+  // them; v keeps its values, its cache row gets the scaled ones. q_norm and k_norm [D] with
+  // norm_eps (Qwen3): each q and k head then RMS-normalised with that weight, before RoPE.
   m.def("rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, "
         "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor? rms_x=None, float? rms_eps=None, "
-        "Tensor? bias=None) -> ()");
+        "Tensor? bias=None, Tensor? q_norm=None, Tensor? k_norm=None, float? norm_eps=None) -> ()");
   // out[M,(H+2Hkv)*D] = x @ weight^T (+ bias) for the merged q|k|v weight, then rope_append on out's
   // q|k|v rows (q, k rotated, k and v written to the caches [M,Hkv,S,D] at positions[M]): one kernel,
   // equal to gemv + rope_append bit for bit; M <= 8.

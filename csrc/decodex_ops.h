@@ -62,10 +62,11 @@ inline void fused_add_rms_norm(const T& x, T& residual, const T& weight, double 
 
 inline void rope_append(T& q, T& k, const T& v, const T& inv_freq, const T& positions, T& k_cache,
                         T& v_cache, const OptT& rms_x = std::nullopt, OptD rms_eps = std::nullopt,
-                        const OptT& bias = std::nullopt) {
+                        const OptT& bias = std::nullopt, const OptT& q_norm = std::nullopt,
+                        const OptT& k_norm = std::nullopt, OptD norm_eps = std::nullopt) {
   static auto h = detail::op<void(T&, T&, const T&, const T&, const T&, T&, T&, const OptT&, OptD,
-                                  const OptT&)>("decodex::rope_append");
-  h.call(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias);
+                                  const OptT&, const OptT&, const OptT&, OptD)>("decodex::rope_append");
+  h.call(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias, q_norm, k_norm, norm_eps);
 }
 
 inline void gemv_rope_append(const T& x, const T& weight, const OptT& bias, const T& inv_freq,

@@ -19,7 +19,8 @@ void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
                  const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                  const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
-                 const std::optional<at::Tensor>& bias);
+                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& q_norm,
+                 const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps);
 void gemv_rope_append(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias, const at::Tensor& inv_freq,
                       const at::Tensor& positions, at::Tensor& out, at::Tensor& k_cache,

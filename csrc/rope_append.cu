@@ -13,7 +13,9 @@
 // rms_x / bias (the decode step's cuBLAS path, whose qkv GEMM reads the unnormalised residual
 // without the bias): q, k and v are first scaled by 1/rms(rms_x row), the bias added and the sum
 // rounded to bf16, as gemv's rms_eps and bias epilogue stores its product; v itself is left as it
-// was (only its cache row is written).
+// was (only its cache row is written). q_norm / k_norm (Qwen3): then each q and k head is
+// RMS-normalised over its D values with that weight and rounded to bf16 (head_rms_norm below), and
+// RoPE rotates the result.
 // A thread's first item is loaded before positions[b] is read, so those two L2 round trips overlap
 // instead of following each other (at batch 64 the op sits between a cuBLAS GEMM and attention, on
 // the step's critical path).
@@ -37,6 +39,35 @@ namespace decodex {
 
 constexpr int kRopeMaxThreads = 512;
 
+// Qwen3's norm of one q or k head, on one work item's 16 values of it (x1: elements c0..c0+7, x2:
+// half+c0..): the head's fp32 sum of squares over its `slices` items, which are `slices` aligned
+// consecutive lanes of one warp, all active (items come in whole heads, and blockDim.x is a multiple
+// of 32, which `slices` divides: the host checks D/16 is a power of two up to 32); then each value
+// times 1/rms(head) times w, rounded to bf16 as decodex.reference.rms_norm stores it. Every lane of
+// the group gets the same sum (a butterfly of commutative adds), so the two halves agree.
+__device__ __forceinline__ void head_rms_norm(float (&x1)[8], float (&x2)[8],
+                                              const __nv_bfloat16* __restrict__ w, int c0, int half,
+                                              int slices, float eps) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ss = __fmaf_rn(x1[j], x1[j], ss);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ss = __fmaf_rn(x2[j], x2[j], ss);
+  const int lane = threadIdx.x & 31;
+  const unsigned group =
+      slices == 32 ? 0xffffffffu : ((1u << slices) - 1u) << (lane & ~(slices - 1));
+  for (int o = 1; o < slices; o <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(group, ss, o));
+  const float inv = rms_inv(ss, 2 * half, eps);
+  float w1[8], w2[8];
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + c0), w1);
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + half + c0), w2);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    x1[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x1[j], inv), w1[j])));
+    x2[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x2[j], inv), w2[j])));
+  }
+}
+
 __global__ void __launch_bounds__(kRopeMaxThreads)
 rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_stride
                    int64_t q_stride,
@@ -52,7 +83,10 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
                    int64_t vc_b, int64_t vc_h, int H, int Hkv, int S, int D,
                    const __nv_bfloat16* __restrict__ rms_x,  // [B, K], row stride x_stride, or null
                    int64_t x_stride, int K, float rms_eps,
-                   const __nv_bfloat16* __restrict__ bias) {  // [(H + 2 Hkv) D] or null
+                   const __nv_bfloat16* __restrict__ bias,     // [(H + 2 Hkv) D] or null
+                   const __nv_bfloat16* __restrict__ q_norm,   // [D] or null (then k_norm too)
+                   const __nv_bfloat16* __restrict__ k_norm,   // [D]
+                   float norm_eps) {
   pdl_begin();
   extern __shared__ float cs[];  // cos [D/2] then sin [D/2]
   __shared__ float scratch[32];
@@ -107,6 +141,9 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
     float x1[8], x2[8];
     prepared(a1, head, c0, x1);
     prepared(a2, head, half + c0, x2);
+    if (q_norm != nullptr && head < H + Hkv) {  // uniform over the head's lanes
+      head_rms_norm(x1, x2, head < H ? q_norm : k_norm, c0, half, slices, norm_eps);
+    }
     if (head < H + Hkv) {
       float o1[8], o2[8];
 #pragma unroll
@@ -228,14 +265,51 @@ RopeShapes check_rope_append(const char* op, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
+// q_norm / k_norm [D] and norm_eps, all or none: bf16 vectors on ref's device, contiguous and
+// 16-byte aligned, and a head dim whose D/16 work items are a power of two up to 32 (the kernel sums
+// a head's squares across those lanes of a warp). Returns the two pointers (null without them).
+struct HeadNorms {
+  const __nv_bfloat16* q = nullptr;
+  const __nv_bfloat16* k = nullptr;
+  float eps = 0.f;
+};
+HeadNorms check_head_norms(const std::optional<at::Tensor>& q_norm,
+                           const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps,
+                           int64_t D, const at::Tensor& ref) {
+  DX_CHECK(q_norm.has_value() == k_norm.has_value() && q_norm.has_value() == norm_eps.has_value(),
+           "rope_append: q_norm, k_norm and norm_eps go together (got ", q_norm ? "q_norm " : "",
+           k_norm ? "k_norm " : "", norm_eps ? "norm_eps" : "", ")");
+  HeadNorms n;
+  if (!q_norm) return n;
+  const int64_t slices = D / 16;
+  DX_CHECK(slices <= 32 && (slices & (slices - 1)) == 0, "rope_append: q_norm / k_norm need a head dim ",
+           "of 16, 32, 64, 128, 256 or 512, got D = ", D);
+  for (const at::Tensor* t : {&*q_norm, &*k_norm}) {
+    const char* name = t == &*q_norm ? "q_norm" : "k_norm";
+    DX_CHECK(t->is_cuda() && t->device() == ref.device(), name, " must be a CUDA tensor on ",
+             ref.device(), ", got ", t->device());
+    DX_CHECK(t->scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t->scalar_type());
+    DX_CHECK(t->dim() == 1 && t->size(0) == D, name, " must have shape [", D, "] (D = q.size(2)), got ",
+             t->sizes());
+    DX_CHECK(t->stride(0) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
+             " must be contiguous and 16-byte aligned");
+  }
+  n.q = reinterpret_cast<const __nv_bfloat16*>(q_norm->data_ptr());
+  n.k = reinterpret_cast<const __nv_bfloat16*>(k_norm->data_ptr());
+  n.eps = check_rms_eps("rope_append", *norm_eps, "norm_eps");
+  return n;
+}
+
 // q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
 // k_cache/v_cache[B,Hkv,S,D] row positions[b]. positions[b] < 0 or >= S: row b untouched.
 void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& inv_freq,
                  const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                  const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
-                 const std::optional<at::Tensor>& bias) {
+                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& q_norm,
+                 const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps) {
   const RopeShapes a = check_rope_append("rope_append", q, k, v, inv_freq, positions, k_cache,
                                          v_cache, rms_x, rms_eps, bias, false);
+  const HeadNorms norms = check_head_norms(q_norm, k_norm, norm_eps, a.D, q);
   const int64_t B = a.B, H = a.H, D = a.D, Hkv = a.Hkv, S = a.S;
   const RmsX& rx = a.rx;
   const __nv_bfloat16* bias_ptr = a.bias;
@@ -255,7 +329,7 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
       v_cache.stride(0), v_cache.stride(1), static_cast<int>(H), static_cast<int>(Hkv),
       static_cast<int>(S), static_cast<int>(D), static_cast<const __nv_bfloat16*>(rx.ptr), rx.stride,
       static_cast<int>(rx.K), rx.eps,
-      bias_ptr);
+      bias_ptr, norms.q, norms.k, norms.eps);
   DX_CHECK_LAUNCHED(err, "rope_append");
   DX_CHECK_LAUNCH("rope_append");
 }

@@ -36,7 +36,9 @@ row dead; last, each product's other plans are tried in turn with the rows readi
 After a wide qkv product (cuBLAS, lt_linear or the wide gemv), rope_append's work (the 1/rms scale,
 the bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where
 the attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
-before decode_attention (_fused_rope_attention).
+before decode_attention (_fused_rope_attention). Qwen3 (per-head q and k norms, which only
+rope_append applies: its q_norm / k_norm) always takes that separate rope_append, after a plain qkv
+gemv where the other models take gemv_rope_append.
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
@@ -727,8 +729,10 @@ class CudaGraphRunner(HostLoop):
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
         a product (cuBLAS or the wide gemv) then rope_append, or (append False, those plans)
-        the product alone, its rows left for rope_append_attention."""
+        the product alone, its rows left for rope_append_attention. Qwen3's q/k norms (layer.q_norm)
+        run in rope_append, after a plain gemv on the GEMV plans."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
+        norms = m.head_norms(layer)
         if self._plan(n, "qkv") in WIDE_PLANS:
             # With rms_eps, x is the residual: rope_append scales the product by 1/rms(x), then adds
             # the bias.
@@ -737,7 +741,12 @@ class CudaGraphRunner(HostLoop):
             if append:
                 q, k, v, _ = self._views(n)
                 torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
-                                              **self._rope_scale(x, rms_eps, layer))
+                                              **self._rope_scale(x, rms_eps, layer), **norms)
+        elif norms:
+            self._linear(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv, rms_eps=rms_eps)
+            if append:
+                q, k, v, _ = self._views(n)
+                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache, **norms)
         else:
             for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
@@ -750,7 +759,7 @@ class CudaGraphRunner(HostLoop):
         at least 2 splits per (row, KV head). Measured in the step (bench/RESULTS.md, session 11):
         1.5-4% faster at 16-32 rows and 1.5B at 64 (2 splits); 1.7% slower at 7B, 64 rows (1 split)."""
         return (self.fuse_rope_attention and self._plan(n, "qkv") in WIDE_PLANS
-                and self._splits[n] >= 2)
+                and self._splits[n] >= 2 and not self.config.qk_norm)  # its kernel has no q/k norms
 
     @staticmethod
     def _rope_scale(x, rms_eps, layer) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -41,6 +42,13 @@ def unit_norm(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
+
+
+def qk_norm_kernels() -> bool:
+    """Whether Qwen3's q/k norms take the kernel path (rope_append's q_norm / k_norm). They were
+    written in session 35, which had no GPU: until their GPU tests have run, only
+    DECODEX_QK_NORM_KERNELS=1 turns them on, and such a model runs the reference path."""
+    return os.environ.get("DECODEX_QK_NORM_KERNELS") == "1"
 GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64); eager: more go to cuBLAS
 
 
@@ -223,6 +231,7 @@ class Model:
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
         # YaRN scales cos and sin, so q and k, by its attention factor: every logit by its square.
         self.scale = reference.rope_attention_factor(c.rope_scaling) ** 2 / math.sqrt(c.head_dim)
+        self.qk_norm_kernels = qk_norm_kernels()  # read once: the model and its runners agree
         self.use_kernels = self.kernels_supported()
         gap = self.kernels_missing()
         if gap and self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16:
@@ -234,9 +243,16 @@ class Model:
         c = self.config
         if c.head_dim not in KERNEL_HEAD_DIMS:
             return f"head dim {c.head_dim} (they are built for {' and '.join(map(str, KERNEL_HEAD_DIMS))})"
-        if c.qk_norm:
-            return "Qwen3's per-head q and k norms"
+        if c.qk_norm and not self.qk_norm_kernels:
+            return ("Qwen3's per-head q and k norms (their kernel path has not run on a GPU yet: "
+                    "DECODEX_QK_NORM_KERNELS=1 takes it)")
         return None
+
+    def head_norms(self, layer: Layer) -> dict:
+        """rope_append's q_norm / k_norm / norm_eps for `layer` (Qwen3), else nothing."""
+        if layer.q_norm is None:
+            return {}
+        return dict(q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=self.config.rms_norm_eps)
 
     def kernels_supported(self) -> bool:
         """The eager kernel path needs CUDA, the built kernels, bf16 and an architecture they compute."""
@@ -267,7 +283,9 @@ class Model:
             qkv = ops.linear(residual, layer.qkv_w, layer.qkv_b, rms_eps=eps)  # [M, (H + 2*Hkv) * D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q, k, v = q.view(M, H, D), k.view(M, Hkv, D), v.view(M, Hkv, D)
-            if layer.q_norm is not None:  # Qwen3 (reference path only): each head normed before RoPE
+            # Qwen3: each q and k head normed before RoPE (on the kernel path inside rope_append:
+            # attend passes head_norms).
+            if layer.q_norm is not None and ops is not _KernelOps:
                 q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
             attn = attend(i, q, k, v)  # [M, H*D]
             residual = ops.add(residual, ops.linear(attn, layer.o_w, layer.o_b))  # [M, Hd]
@@ -308,11 +326,12 @@ class Model:
             k_cache, v_cache = cache.k[i], cache.v[i]  # [B, Hkv, S, D]
             if self.use_kernels:
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-                # Every token row writes the same slot (batch stride 0) at its own position.
+                # Every token row writes the same slot (batch stride 0) at its own position; q and
+                # k are rotated in place.
                 torch.ops.decodex.rope_append(
                     q, k, v, self.inv_freq, positions.to(torch.int32),
                     k_cache[slot:slot + 1].expand(T, -1, -1, -1),
-                    v_cache[slot:slot + 1].expand(T, -1, -1, -1))  # q, k rotated in place
+                    v_cache[slot:slot + 1].expand(T, -1, -1, -1), **self.head_norms(self.layers[i]))
                 o = F.scaled_dot_product_attention(
                     q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
                     k_cache[slot:slot + 1, :, :T], v_cache[slot:slot + 1, :, :T],  # [1, Hkv, T, D]
@@ -360,7 +379,8 @@ class Model:
             k_cache, v_cache = cache.k[i][:B], cache.v[i][:B]  # [B, Hkv, S, D]
             if self.use_kernels:
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-                torch.ops.decodex.rope_append(q, k, v, self.inv_freq, positions, k_cache, v_cache)
+                torch.ops.decodex.rope_append(q, k, v, self.inv_freq, positions, k_cache, v_cache,
+                                              **self.head_norms(self.layers[i]))
                 out = torch.empty_like(q)
                 torch.ops.decodex.decode_attention(q, k_cache, v_cache, lengths, self.scale, workspace, out)
                 return out.reshape(B, H * D)

@@ -167,17 +167,24 @@ def rope_append(
     rms_x: torch.Tensor | None = None,
     rms_eps: float | None = None,
     bias: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [B, H, D] and k [B, Hkv, D] at positions [B], then k and v written into
     k_cache / v_cache [B, Hkv, S, D] at that position. Rows with a negative position are skipped
     (left as they were). Returns (rotated q, rotated k). With rms_x [B, K] and / or bias
     [(H + 2 Hkv) D], q, k and v are first scaled by 1/rms(rms_x row) (as gemv's rms_eps), biased and
-    rounded to their dtype: rows of a q|k|v product computed unscaled and without its bias."""
+    rounded to their dtype: rows of a q|k|v product computed unscaled and without its bias. With
+    q_norm and k_norm [D] (Qwen3), each head of q and k is then rms_norm'ed with that weight and
+    norm_eps, before RoPE."""
     q_rot, k_rot = q.clone(), k.clone()  # a skipped row stays as it was
     if rms_x is not None or bias is not None:
         B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
         qkv = scale_rows(torch.cat([q, k, v], dim=1).reshape(B, -1), q.dtype, rms_x, rms_eps, bias)
         q, k, v = qkv.view(B, H + 2 * Hkv, -1).split([H, Hkv, Hkv], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     capacity = k_cache.shape[2]
     for b, pos in enumerate(positions.tolist()):
         if pos < 0:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from decodex.loader import load_model
-from helpers import LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, random_model, random_weights, tiny_config
+from helpers import (LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, qk_norm_kernels_on, random_model,
+                     random_weights, tiny_config)
 
 # fp32 vs fp32 (transformers): both do the same math in fp32, so only summation order differs:
 # ~1e-6 relative seen; 1e-4 relative to the largest logit leaves room for other BLAS builds.
@@ -192,6 +193,10 @@ GPU_CASES = {
     # attention through the scale; the 64 decode steps pass the original context of 64.
     "qwen2-d128-yarn": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=128, intermediate_size=704, vocab_size=1000, rope_scaling=YARN_SCALING),
+    # Qwen3: q/k norms inside rope_append (the tests turn DECODEX_QK_NORM_KERNELS on); q is wider
+    # than hidden_size, as in Qwen3-0.6B.
+    "qwen3-d128": dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=128, intermediate_size=704, vocab_size=1000),
     # q's width (4 x 128) is not hidden_size, as in Mistral Nemo.
     "mistral-d128-wide-q": dict(model_type="mistral", hidden_size=384, num_attention_heads=4, num_key_value_heads=1,
                                 head_dim=128, intermediate_size=768, vocab_size=1000, rope_theta=1e6),
@@ -204,7 +209,7 @@ GPU_ATOL_REL = 1e-2
 
 def _three_models(case, seed=0):
     """The same bf16-rounded weights as: fp32 on CPU (truth), bf16 on CPU (PyTorch's own bf16
-    error), bf16 on CUDA through the kernels (under test)."""
+    error), bf16 on CUDA through the kernels (under test; Qwen3's q/k norms in them too)."""
     from decodex.model import Model
 
     kw = dict(GPU_CASES[case])
@@ -214,7 +219,8 @@ def _three_models(case, seed=0):
     weights = random_weights(config, seed=seed, dtype=torch.bfloat16)
     fp32 = Model(config, weights, "cpu", torch.float32)
     bf16 = Model(config, weights, "cpu", torch.bfloat16)
-    gpu = Model(config, weights, "cuda", torch.bfloat16)
+    with qk_norm_kernels_on():
+        gpu = Model(config, weights, "cuda", torch.bfloat16)
     assert gpu.use_kernels, "the CUDA model should take the kernel path"
     return fp32, bf16, gpu
 
@@ -326,14 +332,15 @@ def test_load_defaults_to_cuda_bf16_kernels(tmp_path):
 
 
 @pytest.mark.gpu
-def test_qwen3_on_cuda_takes_the_reference_path(tmp_path):
-    """No kernel applies Qwen3's q/k norms yet: on a GPU it loads with a warning and runs the reference
-    ops in bf16 there (still following HF), and the CUDA-graph runner refuses it."""
+def test_qwen3_on_cuda_takes_the_reference_path(tmp_path, monkeypatch):
+    """Without DECODEX_QK_NORM_KERNELS=1 a Qwen3 model on a GPU loads with a warning and runs the
+    reference ops in bf16 there (still following HF), and the CUDA-graph runner refuses it."""
+    monkeypatch.delenv("DECODEX_QK_NORM_KERNELS", raising=False)
     from decodex.engine import CudaGraphRunner
 
     path, hf = make_tiny_checkpoint(tmp_path, "qwen3", tied=True, head_dim=128)
-    with pytest.warns(UserWarning, match="no kernels for Qwen3's per-head q and k norms: this model runs on "
-                                         "the reference path"):
+    with pytest.warns(UserWarning, match=r"no kernels for Qwen3's per-head q and k norms \(.*\): this model "
+                                         "runs on the reference path"):
         model = load_model(path, quiet=True)
     assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and not model.use_kernels
     _assert_follows_hf(model, hf)

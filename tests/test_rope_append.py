@@ -279,6 +279,82 @@ def test_rope_append_rms_and_bias(H, Hkv, D, B, with_rms, with_bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv,D", [(16, 8, 128), (12, 2, 128), (9, 3, 64), (3, 1, 16), (2, 1, 512)])
+@pytest.mark.parametrize("B", [1, 5, 40])
+@pytest.mark.parametrize("with_rms", [False, True])
+def test_rope_append_head_norms(H, Hkv, D, B, with_rms):
+    """q_norm / k_norm (Qwen3): each q and k head RMS-normalised with its weight before RoPE (after
+    the rms_x / bias step when given), v and its cache row not normalised; against
+    decodex.reference.rope_append. 40 rows of 16 + 2 x 8 heads of 128 fill several warps a block,
+    and (2, 1, 512) puts a head's 32 work items in one whole warp."""
+    S, K, eps = 300, 1536, 1e-6
+    qkv, q, k, v = qkv_views(B, H, Hkv, D)
+    qkv.mul_(30.0)  # far from the unit rms the norm gives
+    x = (3.0 * torch.randn(B, K, device="cuda")).to(torch.bfloat16) if with_rms else None
+    bias = _bf16((H + 2 * Hkv) * D) if with_rms else None
+    q_norm, k_norm = (1.0 + 0.3 * torch.randn(2, D, device="cuda")).to(torch.bfloat16).unbind(0)
+    q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
+    kc, vc = _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D)
+    positions = torch.tensor([(37 * b + 3) % S for b in range(B)], dtype=torch.int32, device="cuda")
+    positions[B // 2] = -1  # a skipped row
+    inv_freq = _inv_freq(D)
+    args = [t.clone() for t in (q, k, v)] + [inv_freq, positions, kc.clone(), vc.clone()]
+    want_q, want_k = reference.rope_append(*args, rms_x=x, rms_eps=eps if with_rms else None, bias=bias,
+                                           q_norm=q_norm, k_norm=k_norm, norm_eps=eps)
+    want_kc, want_vc = args[5], args[6]
+    qkv0 = qkv.clone()
+    torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc, rms_x=x,
+                                  rms_eps=eps if with_rms else None, bias=bias, q_norm=q_norm, k_norm=k_norm,
+                                  norm_eps=eps)
+    torch.cuda.synchronize()
+    assert torch.equal(v, qkv0[:, (H + Hkv) * D :].view(B, Hkv, D)), "v was modified"
+    # The normed values can differ from the reference's by one bf16 rounding (the head's sum of
+    # squares in another order), then rotated.
+    tol = dict(rtol=2.0**-7 + 2.0**-8, atol=2e-2)
+    for b, pos in enumerate(positions.tolist()):
+        if pos < 0:
+            assert torch.equal(qkv[b], qkv0[b]), f"row {b} (skipped) was modified"
+            continue
+        torch.testing.assert_close(q[b].float(), want_q[b].float(), **tol, msg=f"q row {b}")
+        torch.testing.assert_close(k[b].float(), want_k[b].float(), **tol, msg=f"k row {b}")
+        torch.testing.assert_close(kc[b, :, pos], k[b], rtol=0, atol=0, msg=f"k_cache row {b}")
+        torch.testing.assert_close(vc[b, :, pos].float(), want_vc[b, :, pos].float(), **tol, msg=f"v_cache {b}")
+        want_kc[b, :, pos] = kc[b, :, pos]
+        want_vc[b, :, pos] = vc[b, :, pos]
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), "a cache row other than the positions' changed"
+    # Normalised heads have rms ~ 1 before the weight: far from the raw product's ~30 x 1 scale.
+    live = positions >= 0
+    assert (q[live].float().pow(2).mean(-1).sqrt() < 3).all()
+
+
+@pytest.mark.gpu
+def test_rope_append_head_norms_rejects():
+    a = _args()
+    call = lambda **kw: torch.ops.decodex.rope_append(a["q"], a["k"], a["v"], a["inv_freq"], a["positions"],
+                                                      a["k_cache"], a["v_cache"], **kw)
+    w = _bf16(64)
+    with pytest.raises(RuntimeError, match="q_norm, k_norm and norm_eps go together"):
+        call(q_norm=w, norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="q_norm, k_norm and norm_eps go together"):
+        call(q_norm=w, k_norm=w)
+    with pytest.raises(RuntimeError, match=r"k_norm must have shape \[64\]"):
+        call(q_norm=w, k_norm=_bf16(128), norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="q_norm must have dtype BFloat16"):
+        call(q_norm=w.float(), k_norm=w, norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="q_norm must be a CUDA tensor"):
+        call(q_norm=w.cpu(), k_norm=w, norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="k_norm must be contiguous and 16-byte aligned"):
+        call(q_norm=w, k_norm=_bf16(65)[1:], norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rope_append: norm_eps must be finite and >= 0"):
+        call(q_norm=w, k_norm=w, norm_eps=float("nan"))
+    D, B, H, Hkv, S = 48, 2, 4, 2, 16  # 3 work items a head: not a power of two
+    with pytest.raises(RuntimeError, match="q_norm / k_norm need a head dim of 16, 32, 64, 128, 256 or 512"):
+        torch.ops.decodex.rope_append(_bf16(B, H, D), _bf16(B, Hkv, D), _bf16(B, Hkv, D), _inv_freq(D),
+                                      a["positions"], _bf16(B, Hkv, S, D), _bf16(B, Hkv, S, D),
+                                      q_norm=_bf16(D), k_norm=_bf16(D), norm_eps=1e-6)
+
+
+@pytest.mark.gpu
 def test_rope_append_rms_rejects():
     a = _args()
     ops = torch.ops.decodex
@@ -354,7 +430,7 @@ def test_rope_append_schema():
     s = str(torch.ops.decodex.rope_append.default._schema)
     assert s == ("decodex::rope_append(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor inv_freq, Tensor positions, "
                  "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor? rms_x=None, float? rms_eps=None, "
-                 "Tensor? bias=None) -> ()"), s
+                 "Tensor? bias=None, Tensor? q_norm=None, Tensor? k_norm=None, float? norm_eps=None) -> ()"), s
 
 
 @pytest.mark.ext
