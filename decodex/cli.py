@@ -31,7 +31,7 @@ def _stream(model, prompt, args, chat=None) -> str:
 
     stream = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None,
-                      stream=True, chat=chat)
+                      stream=True, chat=chat, chat_template_kwargs=dict(args.template_arg) or None)
     pieces = []
     for piece in stream:
         pieces.append(piece)
@@ -71,6 +71,19 @@ def _chat(args) -> int:
         messages.append({"role": "assistant", "content": _stream(model, messages, args)})
 
 
+def _template_arg(text: str) -> tuple[str, object]:
+    """NAME=VALUE -> (NAME, VALUE as JSON, or as text where it is not JSON)."""
+    import json
+
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME a variable name, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The options generate and chat share: the model, sampling, length, stops, device, dtype."""
     p.add_argument("--model", default=None,
@@ -84,6 +97,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="S",
                    help="stop before any of these strings")
+    p.add_argument("--template-arg", type=_template_arg, action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable for the chat template, VALUE read as JSON if it parses (true, 3, "
+                        "\"text\"), else as text; e.g. enable_thinking=false for Qwen3 (repeatable)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="default: bf16 on cuda, fp32 on cpu")

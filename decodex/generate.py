@@ -428,9 +428,23 @@ def _events(model, prompt_ids, params, max_new, stops, stats) -> Iterator[tuple[
             stats.prefill_done_s = stats.total_s
 
 
+def _template_kwargs(kwargs) -> dict:
+    """chat_template_kwargs checked: a dict of variable names to values, none of them one that
+    generate sets itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise TypeError(f"chat_template_kwargs must be a dict of variable names to values, got {kwargs!r}")
+    taken = sorted({"messages", "add_generation_prompt"} & set(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs must not set {', '.join(taken)} (generate sets it)")
+    return dict(kwargs)
+
+
 def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop=None, stream: bool = False,
-             chat: bool | None = None, return_stats: bool = False, device=None, dtype=None):
+             chat: bool | None = None, chat_template_kwargs: dict | None = None, return_stats: bool = False,
+             device=None, dtype=None):
     """Generates text from a prompt (greedy unless temperature > 0).
 
     model_or_path: a Model from decodex.load(), an HF model directory, or None for the default model
@@ -444,7 +458,8 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
     becomes the single user message of a chat (instruction-tuned models answer questions that way);
     otherwise it is raw text. False: always raw text (tokenized with the tokenizer's own special
     tokens, e.g. a BOS). True: always a chat (an error if there is no template). A chat prompt is
-    rendered with the template and add_generation_prompt=True.
+    rendered with the template and add_generation_prompt=True. chat_template_kwargs: more variables
+    for the template, e.g. {"enable_thinking": False} for Qwen3.
 
     Stops at max_new_tokens, at any EOS id of the model (generation_config.json; not part of the
     text), or at the first of the `stop` strings (the text ends just before it). Special tokens are
@@ -467,6 +482,7 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stops = _stop_strings(stop)
+    template_vars = _template_kwargs(chat_template_kwargs)
     model = _resolve_model(model_or_path, device, dtype)
     tok: Tokenizer = model.tokenizer
 
@@ -480,8 +496,8 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
             if not tok.has_chat_template:
                 raise ValueError("chat prompt given, but the model's tokenizer has no chat template")
             messages = p if _is_chat(p) else [{"role": "user", "content": p}]
-            prompt_ids.append(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                                         add_special_tokens=False))
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
+            prompt_ids.append(tok.encode(text, add_special_tokens=False))
         elif isinstance(p, str):
             prompt_ids.append(tok.encode(p, add_special_tokens=True))
         else:

@@ -516,3 +516,31 @@ def test_events_stats_and_stop_with_a_scripted_runner(monkeypatch):
     assert next(events) == (0, "a")
     events.close()
     assert stats.total_s == 1.0 and stats.prefill_done_s == 1.0
+
+
+def test_chat_template_kwargs():
+    """chat_template_kwargs reach the template as variables (Qwen3's enable_thinking is one); a
+    non-dict, a key that is not a name, or one generate sets itself is an error before loading."""
+    model = _random_model("cpu", "llama")
+    template = ("{% if greeting is defined %}{{ greeting }}{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = model.tokenizer
+    model.tokenizer = G.Tokenizer(tok._tok, template, {}, [2], 1)
+    G.generate(model, "ab", max_new_tokens=2)
+    plain = model.last_generation_stats.prompt_tokens
+    G.generate(model, "ab", max_new_tokens=2, chat_template_kwargs={"greeting": "Hello "})
+    assert model.last_generation_stats.prompt_tokens == plain + len("Hello ")  # one token a byte
+    for bad, error, match in (([("greeting", 1)], TypeError, "must be a dict"),
+                              ({"not a name": 1}, TypeError, "must be a dict of variable names"),
+                              ({"messages": []}, ValueError, "must not set messages")):
+        with pytest.raises(error, match=match):
+            G.generate(None, "ab", chat_template_kwargs=bad)  # before the default model loads
+
+
+def test_cli_template_arg():
+    from decodex import cli
+    args = cli.build_parser().parse_args(["chat", "--template-arg", "enable_thinking=false",
+                                          "--template-arg", "name=some text", "--template-arg", "n=3"])
+    assert dict(args.template_arg) == {"enable_thinking": False, "name": "some text", "n": 3}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "hi", "--template-arg", "no-equals"])
