@@ -263,11 +263,10 @@ RopeShapes check_rope_append(const char* op, const at::Tensor& q, const at::Tens
   return a;
 }
 
-}  // namespace
-
-// q_norm / k_norm [D] and norm_eps, all or none: bf16 vectors on ref's device, contiguous and
-// 16-byte aligned, and a head dim whose D/16 work items are a power of two up to 32 (the kernel sums
-// a head's squares across those lanes of a warp). Returns the two pointers (null without them).
+// q_norm / k_norm [D] and norm_eps, all or none: bf16 vectors on ref's device, contiguous, 16-byte
+// aligned and apart from the written tensors, and a head dim whose D/16 work items are a power of two
+// up to 32 (the kernel sums a head's squares across those lanes of a warp). Returns the two pointers
+// (null without them).
 struct HeadNorms {
   const __nv_bfloat16* q = nullptr;
   const __nv_bfloat16* k = nullptr;
@@ -275,7 +274,8 @@ struct HeadNorms {
 };
 HeadNorms check_head_norms(const std::optional<at::Tensor>& q_norm,
                            const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps,
-                           int64_t D, const at::Tensor& ref) {
+                           int64_t D, const at::Tensor& ref,
+                           std::initializer_list<const at::Tensor*> written_tensors) {
   DX_CHECK(q_norm.has_value() == k_norm.has_value() && q_norm.has_value() == norm_eps.has_value(),
            "rope_append: q_norm, k_norm and norm_eps go together (got ", q_norm ? "q_norm " : "",
            k_norm ? "k_norm " : "", norm_eps ? "norm_eps" : "", ")");
@@ -293,12 +293,18 @@ HeadNorms check_head_norms(const std::optional<at::Tensor>& q_norm,
              t->sizes());
     DX_CHECK(t->stride(0) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
              " must be contiguous and 16-byte aligned");
+    for (const at::Tensor* written : written_tensors) {
+      DX_CHECK(!spans_overlap(*t, *written), "rope_append: ", name,
+               " must not overlap q, k or the caches (they are written while it is read)");
+    }
   }
   n.q = reinterpret_cast<const __nv_bfloat16*>(q_norm->data_ptr());
   n.k = reinterpret_cast<const __nv_bfloat16*>(k_norm->data_ptr());
   n.eps = check_rms_eps("rope_append", *norm_eps, "norm_eps");
   return n;
 }
+
+}  // namespace
 
 // q[B,H,D], k[B,Hkv,D] rotated in place at positions[B] (int32); k and v written to
 // k_cache/v_cache[B,Hkv,S,D] row positions[b]. positions[b] < 0 or >= S: row b untouched.
@@ -309,7 +315,8 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
                  const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps) {
   const RopeShapes a = check_rope_append("rope_append", q, k, v, inv_freq, positions, k_cache,
                                          v_cache, rms_x, rms_eps, bias, false);
-  const HeadNorms norms = check_head_norms(q_norm, k_norm, norm_eps, a.D, q);
+  const HeadNorms norms =
+      check_head_norms(q_norm, k_norm, norm_eps, a.D, q, {&q, &k, &k_cache, &v_cache});
   const int64_t B = a.B, H = a.H, D = a.D, Hkv = a.Hkv, S = a.S;
   const RmsX& rx = a.rx;
   const __nv_bfloat16* bias_ptr = a.bias;

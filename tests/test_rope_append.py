@@ -347,6 +347,8 @@ def test_rope_append_head_norms_rejects():
         call(q_norm=w, k_norm=_bf16(65)[1:], norm_eps=1e-6)
     with pytest.raises(RuntimeError, match="rope_append: norm_eps must be finite and >= 0"):
         call(q_norm=w, k_norm=w, norm_eps=float("nan"))
+    with pytest.raises(RuntimeError, match="rope_append: q_norm must not overlap q, k or the caches"):
+        call(q_norm=a["q"][0, 0], k_norm=w, norm_eps=1e-6)  # a head of q, written in place
     D, B, H, Hkv, S = 48, 2, 4, 2, 16  # 3 work items a head: not a power of two
     with pytest.raises(RuntimeError, match="q_norm / k_norm need a head dim of 16, 32, 64, 128, 256 or 512"):
         torch.ops.decodex.rope_append(_bf16(B, H, D), _bf16(B, Hkv, D), _bf16(B, Hkv, D), _inv_freq(D),
