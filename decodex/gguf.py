@@ -218,9 +218,9 @@ def build_tokenizer(meta: dict):
         # outside the vocabulary fall back to their UTF-8 bytes' <0xNN> tokens. As transformers
         # builds it: the first "▁" is added only where the text does not already begin with a
         # space, which SentencePiece itself adds always (text that begins with spaces encodes one
-        # "▁" short); a chat template's text after a control token gets none, as in Mistral's own
-        # tokenizer. Otherwise it matched sentencepiece 0.2.3 on 6,234 strings (merges, byte
-        # fallback, decoding; a throwaway check of session 35, not in the tree).
+        # "▁" short), nor after a control token such as a chat template's [INST]. Otherwise it
+        # matched sentencepiece 0.2.3 on 6,234 strings (merges, byte fallback, decoding; a
+        # throwaway check of session 35, not in the tree).
         alphabet = None
         vocab = {}
         for i, token in enumerate(tokens):
