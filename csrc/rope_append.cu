@@ -286,13 +286,14 @@ HeadNorms check_head_norms(const std::optional<at::Tensor>& q_norm,
            "of 16, 32, 64, 128, 256 or 512, got D = ", D);
   for (const at::Tensor* t : {&*q_norm, &*k_norm}) {
     const char* name = t == &*q_norm ? "q_norm" : "k_norm";
-    DX_CHECK(t->is_cuda() && t->device() == ref.device(), name, " must be a CUDA tensor on ",
+    DX_CHECK(t->is_cuda() && t->device() == ref.device(), "rope_append: ", name, " must be a CUDA tensor on ",
              ref.device(), ", got ", t->device());
-    DX_CHECK(t->scalar_type() == at::kBFloat16, name, " must have dtype BFloat16, got ", t->scalar_type());
-    DX_CHECK(t->dim() == 1 && t->size(0) == D, name, " must have shape [", D, "] (D = q.size(2)), got ",
-             t->sizes());
-    DX_CHECK(t->stride(0) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
-             " must be contiguous and 16-byte aligned");
+    DX_CHECK(t->scalar_type() == at::kBFloat16, "rope_append: ", name, " must have dtype BFloat16, got ",
+             t->scalar_type());
+    DX_CHECK(t->dim() == 1 && t->size(0) == D, "rope_append: ", name, " must have shape [", D,
+             "] (D = q.size(2)), got ", t->sizes());
+    DX_CHECK(t->stride(0) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+             "rope_append: ", name, " must be contiguous and 16-byte aligned");
     for (const at::Tensor* written : written_tensors) {
       DX_CHECK(!spans_overlap(*t, *written), "rope_append: ", name,
                " must not overlap q, k or the caches (they are written while it is read)");

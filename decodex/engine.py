@@ -733,6 +733,7 @@ class CudaGraphRunner(HostLoop):
         run in rope_append, after a plain gemv on the GEMV plans."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         norms = m.head_norms(layer)
+        assert append or not norms, "Qwen3's q/k norms need rope_append (_fused_rope_attention excludes them)"
         if self._plan(n, "qkv") in WIDE_PLANS:
             # With rms_eps, x is the residual: rope_append scales the product by 1/rms(x), then adds
             # the bias.

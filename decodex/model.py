@@ -49,6 +49,8 @@ def qk_norm_kernels() -> bool:
     written in session 35, which had no GPU: until their GPU tests have run, only
     DECODEX_QK_NORM_KERNELS=1 turns them on, and such a model runs the reference path."""
     return os.environ.get("DECODEX_QK_NORM_KERNELS") == "1"
+
+
 GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64); eager: more go to cuBLAS
 
 

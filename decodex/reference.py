@@ -183,6 +183,8 @@ def rope_append(
         B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
         qkv = scale_rows(torch.cat([q, k, v], dim=1).reshape(B, -1), q.dtype, rms_x, rms_eps, bias)
         q, k, v = qkv.view(B, H + 2 * Hkv, -1).split([H, Hkv, Hkv], dim=1)
+    if (q_norm is None) != (k_norm is None) or (q_norm is None) != (norm_eps is None):
+        raise ValueError("q_norm, k_norm and norm_eps go together")
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     capacity = k_cache.shape[2]

@@ -586,16 +586,17 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2-d128", "qwen3-d128"])  # qwen3: q/k norms in rope_append on each plan
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("plan,max_batch,batch", [(p, 16, 11) for p in engine.PLANS] + [("gemv", 32, 27)])
-def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, fuse):
+def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, fuse, name):
     """Each way of running the products above 8 rows, forced for every product: cuBLAS or the wide
     gemv over all rows, then rope_append / silu_mul (rope_append inside the attention kernel,
     rope_append_attention, with fuse: the cache has 3 splits; the wide gemv's gate|up is one
     gemv_silu_mul where that takes the rows); and the fused decodex kernels over 8-row chunks (the
     last chunk partly dead rows). The 32-row graph runs the wide gemv on the wgmma kernel where it
-    exists (above 16 rows)."""
-    m = models("qwen2-d128")
+    exists (above 16 rows). Qwen3 never takes rope_append_attention (it has no q/k norms)."""
+    m = models(name)
 
     def forced(self, n):
         for name in engine.PRODUCTS:
@@ -610,8 +611,9 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 60, (batch,), generator=g)]
-    run_and_check(f"plan {plan} batch {batch} fuse {fuse}", m, runner, prompts, steps=8)
-    assert runner._fused_rope_attention(max_batch) == (fuse and plan in engine.WIDE_PLANS)
+    run_and_check(f"{name} plan {plan} batch {batch} fuse {fuse}", m, runner, prompts, steps=8)
+    assert runner._fused_rope_attention(max_batch) == (fuse and plan in engine.WIDE_PLANS
+                                                       and not m.config.qk_norm)
 
 
 @pytest.mark.gpu

@@ -329,3 +329,20 @@ def test_yarn_matches_transformers(fields, head_dim, theta):
     torch.testing.assert_close(ref.rope_inv_freq(head_dim, theta, scaling), want_freq, rtol=1e-6, atol=0)
     assert ref.rope_attention_factor(scaling) == pytest.approx(want_factor, rel=1e-12)
     assert ref.rope_attention_factor(None) == ref.rope_attention_factor({"rope_type": "llama3"}) == 1.0
+
+
+def test_rope_append_head_norms_go_together():
+    """As the kernel: q_norm, k_norm and norm_eps all or none (one alone would be ignored, or fail
+    deep inside)."""
+    B, H, Hkv, D, S = 1, 2, 1, 8, 4
+    q, k, v = torch.randn(B, H, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
+    args = (q, k, v, ref.rope_inv_freq(D, 1e4), torch.tensor([0]), torch.zeros(B, Hkv, S, D),
+            torch.zeros(B, Hkv, S, D))
+    w = torch.ones(D)
+    for norms in (dict(q_norm=w), dict(k_norm=w, norm_eps=1e-6), dict(q_norm=w, k_norm=w)):
+        with pytest.raises(ValueError, match="q_norm, k_norm and norm_eps go together"):
+            ref.rope_append(*args, **norms)
+    got_q, _ = ref.rope_append(*args, q_norm=w, k_norm=w, norm_eps=0.0)
+    want_q, _ = ref.rope_append(*args[:2], *args[2:])
+    assert not torch.allclose(got_q, want_q)  # the norm changed q
+    torch.testing.assert_close(got_q.pow(2).mean(-1), torch.ones(B, H))  # unit rms, rotation keeps it
