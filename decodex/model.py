@@ -233,7 +233,7 @@ class Model:
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
         # YaRN scales cos and sin, so q and k, by its attention factor: every logit by its square.
         self.scale = reference.rope_attention_factor(c.rope_scaling) ** 2 / math.sqrt(c.head_dim)
-        self.qk_norm_kernels = qk_norm_kernels()  # read once: the model and its runners agree
+        self._qk_norm_kernels = qk_norm_kernels()  # read once: the model and its runners agree
         self.use_kernels = self.kernels_supported()
         gap = self.kernels_missing()
         if gap and self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16:
@@ -245,7 +245,7 @@ class Model:
         c = self.config
         if c.head_dim not in KERNEL_HEAD_DIMS:
             return f"head dim {c.head_dim} (they are built for {' and '.join(map(str, KERNEL_HEAD_DIMS))})"
-        if c.qk_norm and not self.qk_norm_kernels:
+        if c.qk_norm and not self._qk_norm_kernels:
             return ("Qwen3's per-head q and k norms (their kernel path has not run on a GPU yet: "
                     "DECODEX_QK_NORM_KERNELS=1 takes it)")
         return None
