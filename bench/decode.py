@@ -55,6 +55,10 @@ MODELS = {
                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(name="Qwen2.5-7B", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Its q/k norms take the kernels only with DECODEX_QK_NORM_KERNELS=1 (see decodex/model.py).
+    "qwen3-1.7b": dict(name="Qwen3-1.7B", model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, tie_word_embeddings=True),
 }
 COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
               max_position_embeddings=131072, bos_token_id=None, eos_token_id=[])
@@ -116,7 +120,8 @@ def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads (the LM head once even when tied)."""
     total = model.final_norm.numel() + model.lm_head.numel()
     for layer in model.layers:
-        for t in (layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.gate_up_w, layer.down_w):
+        for t in (layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.gate_up_w, layer.down_w, layer.q_norm,
+                  layer.k_norm):
             if t is not None:
                 total += t.numel()
     return 2 * total
