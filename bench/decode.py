@@ -55,7 +55,6 @@ MODELS = {
                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(name="Qwen2.5-7B", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    # Its q/k norms take the kernels only with DECODEX_QK_NORM_KERNELS=1 (see decodex/model.py).
     "qwen3-1.7b": dict(name="Qwen3-1.7B", model_type="qwen3", hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        vocab_size=151936, tie_word_embeddings=True),

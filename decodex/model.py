@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -42,13 +41,6 @@ def unit_norm(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
-
-
-def qk_norm_kernels() -> bool:
-    """Whether Qwen3's q/k norms take the kernel path (rope_append's q_norm / k_norm). They were
-    written in session 35, which had no GPU: until their GPU tests have run, only
-    DECODEX_QK_NORM_KERNELS=1 turns them on, and such a model runs the reference path."""
-    return os.environ.get("DECODEX_QK_NORM_KERNELS") == "1"
 
 
 GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64); eager: more go to cuBLAS
@@ -233,7 +225,6 @@ class Model:
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
         # YaRN scales cos and sin, so q and k, by its attention factor: every logit by its square.
         self.scale = reference.rope_attention_factor(c.rope_scaling) ** 2 / math.sqrt(c.head_dim)
-        self._qk_norm_kernels = qk_norm_kernels()  # read once: the model and its runners agree
         self.use_kernels = self.kernels_supported()
         gap = self.kernels_missing()
         if gap and self.device.type == "cuda" and _ext.available() and self.dtype == torch.bfloat16:
@@ -245,9 +236,6 @@ class Model:
         c = self.config
         if c.head_dim not in KERNEL_HEAD_DIMS:
             return f"head dim {c.head_dim} (they are built for {' and '.join(map(str, KERNEL_HEAD_DIMS))})"
-        if c.qk_norm and not self._qk_norm_kernels:
-            return ("Qwen3's per-head q and k norms (their kernel path has not run on a GPU yet: "
-                    "DECODEX_QK_NORM_KERNELS=1 takes it)")
         return None
 
     def head_norms(self, layer: Layer) -> dict:

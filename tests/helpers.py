@@ -115,13 +115,6 @@ def random_model(model_type: str = "llama", device="cpu", dtype=torch.float32, s
     return Model(config, random_weights(config, seed), device, dtype)
 
 
-def qk_norm_kernels_on():
-    """A context in which a Model made takes Qwen3's q/k norms on the kernel path
-    (DECODEX_QK_NORM_KERNELS=1, off by default until those kernels have run on a GPU)."""
-    from unittest import mock
-    return mock.patch.dict(os.environ, {"DECODEX_QK_NORM_KERNELS": "1"})
-
-
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """fn() run once on a side stream (lazy initialisation stays out of the capture), then captured
     into a CUDA graph, which is returned without being replayed."""

@@ -363,7 +363,7 @@ MODELS = {
     # Llama: untied, llama3 RoPE scaling, q/k/v/o bias, head_dim 64.
     "llama-d64": dict(model_type="llama", tied=False, head_dim=64, rope_scaling=LLAMA3_SCALING,
                       attention_bias=True),
-    # Qwen3: q/k norms in rope_append on every plan (DECODEX_QK_NORM_KERNELS on for it), no bias.
+    # Qwen3: q/k norms in rope_append on every plan, no bias.
     "qwen3-d128": dict(model_type="qwen3", tied=True, head_dim=128),
     # Mistral: no biases; q is 4 x 128 wide, twice hidden_size (as in Mistral Nemo).
     "mistral-d128-wide-q": dict(model_type="mistral", tied=False, head_dim=128, rope_theta=1e6),
@@ -376,14 +376,13 @@ class Models:
 
     def __init__(self, name, seed=0):
         from decodex.model import Model
-        from helpers import qk_norm_kernels_on, random_weights, tiny_config
+        from helpers import random_weights, tiny_config
 
         spec = dict(MODELS[name])
         model_type, tied = spec.pop("model_type"), spec.pop("tied")
         self.config = tiny_config(model_type, tied=tied, **GPU_SHAPES, **spec)
         weights = {k: v.to(torch.bfloat16).float() for k, v in random_weights(self.config, seed).items()}
-        with qk_norm_kernels_on():
-            self.gpu = Model(self.config, weights, "cuda", torch.bfloat16)
+        self.gpu = Model(self.config, weights, "cuda", torch.bfloat16)
         assert self.gpu.use_kernels
         self.ref = Model(self.config, weights, "cpu", torch.float32)
         self.ref16 = Model(self.config, weights, "cpu", torch.bfloat16)

@@ -213,18 +213,12 @@ def test_qwen3_config_as_published():
     assert not qwen2.qk_norm and qwen2.attention_bias and not qwen2.o_proj_bias
 
 
-def test_kernels_missing_names_what_the_kernels_do_not_compute(monkeypatch):
-    """The kernel path is taken only where it computes the whole model (else the reference path);
-    Qwen3's q/k norms only with DECODEX_QK_NORM_KERNELS=1, read when the model is made."""
-    monkeypatch.delenv("DECODEX_QK_NORM_KERNELS", raising=False)
+def test_kernels_missing_names_what_the_kernels_do_not_compute():
+    """The kernel path is taken only where it computes the whole model (else the reference path)."""
     assert random_model("llama", head_dim=64).kernels_missing() is None
-    assert random_model("qwen3").kernels_missing() == "head dim 32 (they are built for 64 and 128)"
-    qwen3 = random_model("qwen3", head_dim=128)
-    assert qwen3.kernels_missing().startswith("Qwen3's per-head q and k norms (their kernel path has not")
-    assert qwen3.use_kernels is False
-    monkeypatch.setenv("DECODEX_QK_NORM_KERNELS", "1")
     assert random_model("qwen3", head_dim=128).kernels_missing() is None
-    assert qwen3.kernels_missing() is not None  # made before
+    assert random_model("qwen3").kernels_missing() == "head dim 32 (they are built for 64 and 128)"
+    assert random_model("qwen3", head_dim=128).use_kernels is False  # on the CPU
 
 
 def test_yarn_context():

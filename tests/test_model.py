@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from decodex.loader import load_model
-from helpers import (LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, qk_norm_kernels_on, random_model,
-                     random_weights, tiny_config)
+from helpers import LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, random_model, random_weights, tiny_config
 
 # fp32 vs fp32 (transformers): both do the same math in fp32, so only summation order differs:
 # ~1e-6 relative seen; 1e-4 relative to the largest logit leaves room for other BLAS builds.
@@ -193,7 +192,7 @@ GPU_CASES = {
     # attention through the scale; the 64 decode steps pass the original context of 64.
     "qwen2-d128-yarn": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=128, intermediate_size=704, vocab_size=1000, rope_scaling=YARN_SCALING),
-    # Qwen3: q/k norms inside rope_append (the tests turn DECODEX_QK_NORM_KERNELS on); q is wider
+    # Qwen3: q/k norms inside rope_append; q is wider
     # than hidden_size, as in Qwen3-0.6B.
     "qwen3-d128": dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=128, intermediate_size=704, vocab_size=1000),
@@ -219,8 +218,7 @@ def _three_models(case, seed=0):
     weights = random_weights(config, seed=seed, dtype=torch.bfloat16)
     fp32 = Model(config, weights, "cpu", torch.float32)
     bf16 = Model(config, weights, "cpu", torch.bfloat16)
-    with qk_norm_kernels_on():
-        gpu = Model(config, weights, "cuda", torch.bfloat16)
+    gpu = Model(config, weights, "cuda", torch.bfloat16)
     assert gpu.use_kernels, "the CUDA model should take the kernel path"
     return fp32, bf16, gpu
 
@@ -332,19 +330,23 @@ def test_load_defaults_to_cuda_bf16_kernels(tmp_path):
 
 
 @pytest.mark.gpu
-def test_qwen3_on_cuda_takes_the_reference_path(tmp_path, monkeypatch):
-    """Without DECODEX_QK_NORM_KERNELS=1 a Qwen3 model on a GPU loads with a warning and runs the
-    reference ops in bf16 there (still following HF), and the CUDA-graph runner refuses it."""
-    monkeypatch.delenv("DECODEX_QK_NORM_KERNELS", raising=False)
+def test_qwen3_loads_onto_the_kernels_and_other_head_dims_onto_the_reference_path(tmp_path):
+    """A Qwen3 checkpoint on a GPU takes the kernels (its q/k norms in rope_append) and follows HF.
+    A head dim the kernels are not built for loads with a warning, runs the reference ops in bf16
+    on the GPU (still following HF), and the CUDA-graph runner refuses it."""
     from decodex.engine import CudaGraphRunner
 
     path, hf = make_tiny_checkpoint(tmp_path, "qwen3", tied=True, head_dim=128)
-    with pytest.warns(UserWarning, match=r"no kernels for Qwen3's per-head q and k norms \(.*\): this model "
-                                         "runs on the reference path"):
-        model = load_model(path, quiet=True)
-    assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and not model.use_kernels
+    model = load_model(path, quiet=True)
+    assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and model.use_kernels
     _assert_follows_hf(model, hf)
-    with pytest.raises(RuntimeError, match="CudaGraphRunner: decodex has no kernels for Qwen3's per-head"):
+    path, hf = make_tiny_checkpoint(tmp_path, "qwen3", head_dim=32)
+    with pytest.warns(UserWarning, match=r"no kernels for head dim 32 \(they are built for 64 and 128\): this "
+                                         "model runs on the reference path"):
+        model = load_model(path, quiet=True)
+    assert model.device.type == "cuda" and not model.use_kernels
+    _assert_follows_hf(model, hf)
+    with pytest.raises(RuntimeError, match="CudaGraphRunner: decodex has no kernels for head dim 32"):
         CudaGraphRunner(model, max_batch=1, capacity=32)
 
 
