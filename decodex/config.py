@@ -37,6 +37,12 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads", "max_position_embeddings")
 
 
+def _positive_number(value) -> bool:
+    """A RoPE scaling field that divides or scales frequencies: zero, negative, NaN or inf would give
+    inf/NaN logits or silently wrong positions."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
 def _yarn_fields(scaling: dict, name: str, max_position_embeddings: int, fail) -> dict:
     """A yarn rope_scaling dict, checked, with transformers' defaults filled in (the original
     context defaults to max_position_embeddings)."""
@@ -49,7 +55,7 @@ def _yarn_fields(scaling: dict, name: str, max_position_embeddings: int, fail) -
             if required:
                 fail(f"{name}.{key}", "is required for yarn scaling")
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if not _positive_number(value):
             fail(f"{name}.{key}", f"must be a positive finite number for yarn scaling, got {value!r}")
         out[key] = value
     out.setdefault("original_max_position_embeddings", max_position_embeddings)
@@ -79,7 +85,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # qwen2: q/k/v bias; llama, qwen3: q/k/v/o bias; mistral: none
     mlp_bias: bool = False  # always False (True is refused)
-    qk_norm: bool = False  # qwen3: q_norm / k_norm, an RMSNorm over each q and k head before RoPE
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -197,10 +202,7 @@ class ModelConfig:
                 rope_scaling = {"rope_type": "llama3"}
                 for name in _LLAMA3_FIELDS:
                     value = scaling.get(name)
-                    # All four divide or scale frequencies: zero, negative or NaN would give inf/NaN
-                    # logits or silently wrong positions.
-                    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                            not 0 < value < math.inf:
+                    if not _positive_number(value):
                         fail(f"{scaling_name}.{name}",
                              f"must be a positive finite number for llama3 scaling, got {value!r}")
                     rope_scaling[name] = value
@@ -233,7 +235,6 @@ class ModelConfig:
             tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
             attention_bias=attention_bias,
             mlp_bias=False,
-            qk_norm=model_type == "qwen3",
             torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
             bos_token_id=get("bos_token_id", int, default=None),
             eos_token_id=eos_list,
@@ -256,6 +257,11 @@ class ModelConfig:
         s = self.rope_scaling
         return (f"{self.max_context} (YaRN: factor {s['factor']} x original_max_position_embeddings "
                 f"{s['original_max_position_embeddings']})")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3's q_norm / k_norm: an RMSNorm over each q and k head before RoPE."""
+        return self.model_type == "qwen3"
 
     @property
     def o_proj_bias(self) -> bool:
