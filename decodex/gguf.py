@@ -276,7 +276,7 @@ def _merges_from_scores(vocab: dict[str, int], scores) -> list[tuple[str, str]]:
     """The BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens,
     the splits of higher-scored tokens first (a longer left piece first on equal scores, then the
     tokens' order), and each token's splits by their pieces' ids."""
-    if not isinstance(scores, list) or len(scores) < len(vocab):
+    if not isinstance(scores, list) or len(scores) <= max(vocab.values()):  # one a token (duplicates too)
         raise ValueError("GGUF metadata tokenizer.ggml.scores is missing or short, and there are no "
                          "tokenizer.ggml.merges to use instead")
     found = []  # (score, len(left), len(right), order, left, right)

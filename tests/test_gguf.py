@@ -441,6 +441,14 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
     assert ours.encode("é") == [259, 198, 172]  # "\u2581" then é's two UTF-8 bytes
     assert ours.decode(ours.encode("é")) == "é"
     assert ours.encode("xyz") == [ours.token_to_id(t) for t in ("\u2581", "xy", "z")]
+    # A duplicate token before the last one: the scores must cover the last index, not only the
+    # distinct tokens (one short was an IndexError, not a LoadError).
+    tokens, scores, types = _spm_vocab()
+    tokens, scores, types = tokens[:4] + tokens[3:], scores[:4] + scores[3:], types[:4] + types[3:]
+    from decodex.config import LoadError
+    with pytest.raises(LoadError, match="tokenizer.ggml.scores is missing or short"):
+        dgguf.convert_gguf(_tiny_gguf(tmp_path / "cut.gguf", spm=(tokens, scores[:-1], types)), tmp_path / "o2",
+                           progress=False)
     import decodex
     model = decodex.load(out, device="cpu", quiet=True)  # and the model generates through it
     assert isinstance(decodex.generate(model, "hello", max_new_tokens=4, chat=False), str)
