@@ -1,6 +1,6 @@
 """End-to-end decode benchmark: decodex's CUDA-graph runner against Hugging Face transformers, at the
-real shapes of Qwen2.5-1.5B and Qwen2.5-7B with random weights (no checkpoint file: weights are drawn
-on the GPU), on the H200.
+real shapes of Qwen2.5-1.5B and Qwen2.5-7B (the default; MODELS also has Qwen3 and Llama 3.x presets)
+with random weights (no checkpoint file: weights are drawn on the GPU), on the H200.
 
 Per case (batch, context):
   decodex GPU ms   median of graph replays queued back to back (CUDA events between replays)
@@ -50,6 +50,10 @@ from bench.common import print_table, read_bandwidth_gbs
 from decodex.engine import event_time_ms
 from decodex.model import GEMV_MAX_ROWS
 
+# The fields the Llama 3.x presets share (their checkpoints' config.json values).
+LLAMA3 = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=8192))
 MODELS = {
     "1.5b": dict(name="Qwen2.5-1.5B", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -57,7 +61,24 @@ MODELS = {
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "qwen3-1.7b": dict(name="Qwen3-1.7B", model_type="qwen3", hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=151936, tie_word_embeddings=True),
+                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-4b": dict(name="Qwen3-4B", model_type="qwen3", hidden_size=2560, intermediate_size=9728,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-8b": dict(name="Qwen3-8B", model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
+    "llama3.2-1b": dict(LLAMA3, name="Llama-3.2-1B", hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        vocab_size=128256, tie_word_embeddings=True,
+                        rope_scaling=dict(LLAMA3["rope_scaling"], factor=32.0)),
+    "llama3.2-3b": dict(LLAMA3, name="Llama-3.2-3B", hidden_size=3072, intermediate_size=8192,
+                        num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                        vocab_size=128256, tie_word_embeddings=True,
+                        rope_scaling=dict(LLAMA3["rope_scaling"], factor=32.0)),
+    "llama3.1-8b": dict(LLAMA3, name="Llama-3.1-8B", hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        vocab_size=128256, tie_word_embeddings=False),
 }
 COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
               max_position_embeddings=131072, bos_token_id=None, eos_token_id=[])
@@ -86,7 +107,7 @@ HEADERS = ["model", "batch", "context", "decodex GPU ms", "decodex wall ms", "to
 
 def config_dict(key: str) -> dict:
     raw = dict(COMMON, **{k: v for k, v in MODELS[key].items() if k != "name"})
-    raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+    raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
     return raw
 
 
@@ -251,7 +272,7 @@ def kernel_times(events) -> dict:
     return per_kernel
 
 
-def profile_step(model, context: int, batch: int = 1, reps: int = 3, forced=None) -> None:
+def profile_step(model, context: int, batch: int = 1, reps: int = 3, forced=None, name: str = "model") -> None:
     """Per-kernel device time of one graph step, from torch.profiler over `reps` replays. "us/step"
     is each kernel's own span (launch to end; spans overlap under PDL). "critical us/step" is what
     it adds to the step: the kernels of a step complete in order, each waiting for the one before,
@@ -286,35 +307,34 @@ def profile_step(model, context: int, batch: int = 1, reps: int = 3, forced=None
         rows.append([short, calls // reps, us / reps, crit, 100.0 * crit / (step_ms * 1000.0)])
     rows.append(["(sum of kernels)", "", total_us, crit_total, 100.0 * crit_total / (step_ms * 1000.0)])
     rows.append(["(graph step, CUDA events)", "", "", step_ms * 1000.0, 100.0])
-    name = MODELS_BY_HIDDEN.get(model.config.hidden_size, "model")
     print_table(f"{name} step at context {context}, batch {batch}: kernels ({how})",
                 ["kernel", "calls/step", "us/step", "critical us/step", "% of step"], rows)
     del runner
     torch.cuda.empty_cache()
 
 
-MODELS_BY_HIDDEN = {v["hidden_size"]: v["name"] for v in MODELS.values()}
-
-
 # ---- Hugging Face ----------------------------------------------------------------------------------
 
-def build_hf(key: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def hf_config(key: str):
+    """transformers' config of the preset, from the same fields decodex reads (its model_type picks
+    the class: Qwen2, Qwen3 or Llama)."""
+    from transformers import AutoConfig
 
-    raw = config_dict(key)
-    cfg = Qwen2Config(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-                      intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
-                      num_attention_heads=raw["num_attention_heads"],
-                      num_key_value_heads=raw["num_key_value_heads"],
-                      max_position_embeddings=raw["max_position_embeddings"], rope_theta=raw["rope_theta"],
-                      rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
-                      use_cache=True)
+    raw = {k: v for k, v in config_dict(key).items() if k not in ("bos_token_id", "eos_token_id")}
+    return AutoConfig.for_model(raw.pop("model_type"), **raw, use_cache=True)
+
+
+def build_hf(key: str):
+    """transformers' model of the preset with random bf16 weights on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(key)
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = Qwen2ForCausalLM(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval(), cfg
@@ -553,7 +573,7 @@ def rows(args=None) -> list[list]:
         if args.profile:
             for batch, context in PROFILE_CASES:
                 try:
-                    profile_step(model, context, batch, forced=args.force_plans)
+                    profile_step(model, context, batch, forced=args.force_plans, name=label)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     print(f"profile of batch {batch} at {context} failed: {_err(e)}")

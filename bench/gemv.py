@@ -14,6 +14,7 @@ plain GEMV; all with prefetch_weight.
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
     python -m bench.gemv --sweep [--only 7B] [--ms 1,8]   # tuning: every configuration per shape
+    python -m bench.gemv --models llama3.1-8b,qwen3-8b --ms 1   # another bench.decode preset's shapes
 """
 from __future__ import annotations
 
@@ -45,6 +46,24 @@ SHAPES = [
     ("7B", "lm_head", 152064, 3584),
 ]
 MS = [1, 2, 4, 8]
+
+
+def model_shapes(keys) -> list[tuple[str, str, int, int]]:
+    """SHAPES' rows for bench.decode's model presets (by key): each decode-step product's weight."""
+    from bench.decode import MODELS, config_dict
+
+    out = []
+    for key in keys:
+        if key not in MODELS:
+            raise ValueError(f"--models: {key!r} is not one of {', '.join(MODELS)}")
+        c = config_dict(key)
+        hidden, inter = c["hidden_size"], c["intermediate_size"]
+        q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+        out += [(MODELS[key]["name"], name, N, K) for name, N, K in (
+            ("q", q, hidden), ("k", kv, hidden), ("v", kv, hidden), ("qkv", q + 2 * kv, hidden), ("o", hidden, q),
+            ("gate|up", 2 * inter, hidden), ("down", hidden, inter),
+            ("lm_head", c["vocab_size"], hidden))]
+    return out
 MAX_STACK_BYTES = 3 << 30  # the two lm_heads would otherwise stack 4 GB copies
 TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "cuBLASLt us", "GB/s",
@@ -98,12 +117,12 @@ ACC_TITLE = "gemv accumulate: plain vs accumulate=True (out += product), prefetc
 ACC_HEADERS = ["shape", "gemv us", "accumulate us"]
 
 
-def fused_rows() -> tuple[list[list], list[list]]:
+def fused_rows(shapes=SHAPES) -> tuple[list[list], list[list]]:
     """The RMS-norm and accumulate tables."""
     import decodex  # noqa: F401
 
     norm, acc = [], []
-    for model, name, N, K in SHAPES:
+    for model, name, N, K in shapes:
         if name not in NORM_SHAPES + ACCUMULATE_SHAPES:
             continue
         weights = _stack(N, K)
@@ -135,12 +154,12 @@ def _selected(label: str, only: str | None) -> bool:
     return not only or any(o in label for o in only.split(","))
 
 
-def rows(bandwidth_gbs: float | None = None, ms=MS, only: str | None = None) -> list[list]:
+def rows(bandwidth_gbs: float | None = None, ms=MS, only: str | None = None, shapes=SHAPES) -> list[list]:
     import decodex  # noqa: F401  (registers torch.ops.decodex)
 
     bw = bandwidth_gbs or read_bandwidth_gbs()
     out = []
-    for model, name, N, K in SHAPES:
+    for model, name, N, K in shapes:
         if not _selected(f"{model} {name} {N}x{K}", only):
             continue
         weights = _stack(N, K)
@@ -179,18 +198,20 @@ def _wide_configs(K: int):
                     yield f"{bn},{c},{s}"
 
 
-def sweep(only: str | None = None, ms=(1, 8)) -> None:
+def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES) -> None:
     """Per shape and M: the heuristic's time, then the best configurations found."""
     import decodex  # noqa: F401
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
     bw = read_bandwidth_gbs()
-    for model, name, N, K in SHAPES:
+    seen = set()
+    for model, name, N, K in shapes:
         label = f"{model} {name} {N}x{K}"
         if not _selected(label, only):
             continue
-        if name in ("v", "o"):  # same shapes as k and q
+        if (N, K) in seen:  # v is k's shape, o often q's
             continue
+        seen.add((N, K))
         weights = _stack(N, K)
         for M in ms:
             env, configs, fields = ((WIDE_ENV, _wide_configs(K), "bn,c,s") if M > 16 else
@@ -216,21 +237,27 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
     p.add_argument("--only", help="only shapes whose label contains one of these (comma-separated), "
                                   "e.g. '7B' or '1.5B down,7B gate'")
+    p.add_argument("--models", help="the shapes of these bench.decode presets (comma-separated keys, e.g. "
+                                    "'llama3.1-8b,qwen3-8b') instead of Qwen2.5-1.5B's and -7B's")
     p.add_argument("--ms", help="rows of x, comma-separated (1..64; default 1,2,4,8 for the table, 1,8 "
                                 "for --sweep); with it the table skips the RMS and accumulate tables")
     args = p.parse_args(argv)
     ms = None if args.ms is None else [int(m) for m in args.ms.split(",")]
     if ms is not None and not all(1 <= m <= 64 for m in ms):
         p.error(f"--ms: every M must be in 1..64, got {args.ms}")
+    try:
+        shapes = SHAPES if args.models is None else model_shapes(args.models.split(","))
+    except ValueError as e:
+        p.error(str(e))
     if args.sweep:
-        sweep(args.only, ms or (1, 8))
+        sweep(args.only, ms or (1, 8), shapes)
         return
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
-    print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only))
+    print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only, shapes))
     if ms is not None or args.only:
         return
-    norm, acc = fused_rows()
+    norm, acc = fused_rows(shapes)
     print_table(NORM_TITLE, NORM_HEADERS, norm)
     print_table(ACC_TITLE, ACC_HEADERS, acc)
 

@@ -170,3 +170,32 @@ def test_ab_step_interleaves_and_restores(monkeypatch, capsys):
     assert got == {"as is": [1.0, 1.0], "DX_AB_A=1": [2.0, 2.0], "DX_AB_B=x": [1.0, 1.0]}
     assert "DX_AB_A" not in os.environ and os.environ["DX_AB_B"] == "kept"
     assert "DX_AB_A=1: median 2.0000 ms (min 2.0000), +100.00% against as is" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", list(decode.MODELS))
+def test_presets_match_transformers_config(key):
+    """Every preset is a config decodex loads, and transformers' model beside it in the same run
+    has the same shapes and RoPE (its class from the preset's model_type)."""
+    pytest.importorskip("transformers")
+    from decodex.config import ModelConfig
+
+    ours, theirs = ModelConfig.from_dict(decode.config_dict(key)), decode.hf_config(key)
+    assert theirs.model_type == ours.model_type
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
+        assert getattr(theirs, field) == getattr(ours, field), field
+    rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta,
+                                                        **(theirs.rope_scaling or {})}
+    assert rope["rope_theta"] == ours.rope_theta
+    assert rope.get("factor") == (ours.rope_scaling or {}).get("factor")
+
+
+def test_gemv_model_shapes():
+    """bench.gemv --models derives each product's shape from a preset; for Qwen2.5-1.5B and -7B
+    that is the issue's SHAPES list."""
+    from bench import gemv
+
+    assert [r[1:] for r in gemv.model_shapes(["1.5b", "7b"])] == [r[1:] for r in gemv.SHAPES]
+    assert ("Llama-3.1-8B", "gate|up", 28672, 4096) in gemv.model_shapes(["llama3.1-8b"])
+    with pytest.raises(ValueError, match="--models"):
+        gemv.model_shapes(["8b"])
