@@ -43,6 +43,8 @@ import statistics
 import sys
 import time
 import traceback
+import zlib
+from collections.abc import Mapping
 
 import torch
 
@@ -76,6 +78,11 @@ MODELS = {
                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
                         vocab_size=128256, tie_word_embeddings=True,
                         rope_scaling=dict(LLAMA3["rope_scaling"], factor=32.0)),
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 a token (the step reads about 3B of its 30B).
+    "qwen3-30b-a3b": dict(name="Qwen3-30B-A3B", model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
     "llama3.1-8b": dict(LLAMA3, name="Llama-3.1-8B", hidden_size=4096, intermediate_size=14336,
                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                         vocab_size=128256, tie_word_embeddings=False),
@@ -111,39 +118,62 @@ def config_dict(key: str) -> dict:
     return raw
 
 
+class _RandomWeights(Mapping):
+    """HF-named random bf16 weights of a config, each drawn on the GPU when it is read (from a seed
+    of its own name, so a second read gives the same tensor): a Qwen3-MoE model's 18,000 expert
+    tensors never all exist beside the Model that stacks them (30B parameters twice would not fit)."""
+
+    def __init__(self, cfg):
+        self.shapes = cfg.weight_shapes()
+
+    def __getitem__(self, name):
+        shape = self.shapes[name]
+        g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        if name.endswith("norm.weight"):
+            return t.normal_(1.0, 0.1, generator=g)
+        if name.endswith("bias"):
+            return t.normal_(0.0, 0.02, generator=g)
+        if "embed_tokens" in name:
+            return t.normal_(0.0, 1.0, generator=g)
+        return t.normal_(0.0, shape[-1] ** -0.5, generator=g)
+
+    def __contains__(self, name):
+        return name in self.shapes
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self):
+        return len(self.shapes)
+
+
 def build_decodex(key: str):
     """A decodex Model with random bf16 weights drawn on the GPU (std 1/sqrt(fan_in) for matrices)."""
     from decodex.config import ModelConfig
     from decodex.model import Model
 
     cfg = ModelConfig.from_dict(config_dict(key), source=f"<bench {key}>")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    weights = {}
-    for name, shape in cfg.weight_shapes().items():
-        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-        if name.endswith("norm.weight"):
-            t.normal_(1.0, 0.1, generator=g)
-        elif name.endswith("bias"):
-            t.normal_(0.0, 0.02, generator=g)
-        elif "embed_tokens" in name:
-            t.normal_(0.0, 1.0, generator=g)
-        else:
-            t.normal_(0.0, shape[-1] ** -0.5, generator=g)
-        weights[name] = t
-    model = Model(cfg, weights, "cuda", torch.bfloat16)
-    del weights
+    model = Model(cfg, _RandomWeights(cfg), "cuda", torch.bfloat16)
     torch.cuda.empty_cache()
     return model
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads (the LM head once even when tied)."""
+def weight_bytes(model, batch: int = 1) -> float:
+    """Bytes of weights one decode step reads (the LM head once even when tied). An expert layer
+    reads its router and the experts its rows choose: num_experts_per_tok at batch 1; at batch B the
+    distinct ones expected when each row's choice is uniform, E (1 - (1 - k/E)^B)."""
+    c = model.config
     total = model.final_norm.numel() + model.lm_head.numel()
     for layer in model.layers:
         for t in (layer.qkv_w, layer.qkv_b, layer.o_w, layer.o_b, layer.gate_up_w, layer.down_w, layer.q_norm,
-                  layer.k_norm):
+                  layer.k_norm, layer.router_w):
             if t is not None:
                 total += t.numel()
+        if layer.router_w is not None:
+            E, k = c.num_experts, c.num_experts_per_tok
+            experts = k if batch == 1 else E * (1.0 - (1.0 - k / E) ** batch)
+            total += experts * (layer.experts_gate_up[0].numel() + layer.experts_down[0].numel())
     return 2 * total
 
 
@@ -549,14 +579,14 @@ def rows(args=None) -> list[list]:
         label = MODELS[key]["name"]
         t0 = time.perf_counter()
         model = build_decodex(key)
-        wbytes = weight_bytes(model)
-        print(f"{label}: {wbytes / 1e9:.2f} GB of weights read per step (built in "
+        print(f"{label}: {weight_bytes(model) / 1e9:.2f} GB of weights read per step at batch 1 (built in "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)
         results = {}
         for batch, context in args.cases:
             try:
                 r = decodex_case(model, batch, context, args.plans, args.fuse_rope, args.force_plans)
-                floor = (wbytes + kv_bytes(model, batch, context + TIMED_CONTEXT)) / (bw * 1e9) * 1e3
+                nbytes = weight_bytes(model, batch) + kv_bytes(model, batch, context + TIMED_CONTEXT)
+                floor = nbytes / (bw * 1e9) * 1e3
                 r["floor_ms"] = floor
                 results[(batch, context)] = r
                 extra = f", plan for {batch} rows: {r['plan']}" if r["plan"] else ""

@@ -20,7 +20,7 @@ import time
 import traceback
 
 OPS = ["gemv", "gemv_silu_mul", "gemv_rope_append", "lt_linear", "decode_attention", "rope_append_attention",
-       "rms_norm", "rope_append", "silu_mul", "argmax", "sample"]
+       "rms_norm", "rope_append", "silu_mul", "moe", "argmax", "sample"]
 
 
 class _Tee(io.TextIOBase):

@@ -81,6 +81,19 @@ TORCH_LIBRARY(decodex, m) {
   // (a pure function, so Python can size the workspace and CPU tests can check it).
   m.def("decode_attention_splits(int batch, int num_kv_heads, int capacity, int sm_count) -> int",
         &decodex::decode_attention_splits);
+  // Mixture of experts (Qwen3-MoE), the expert choice on the device. moe_route: ids[M,top_k]
+  // (int32) = the top_k largest logits[M,E] (bf16) of each row, descending, ties to the lower
+  // index; weights[M,top_k] (fp32) = their softmax probabilities over all E, renormalised to sum to
+  // 1 if norm_topk_prob.
+  m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob, Tensor(a!) ids, Tensor(b!) weights) -> ()");
+  // out[M,k,I] = silu(x[m] @ gate_e^T) * (x[m] @ up_e^T), e = ids[m,s], for the experts' merged
+  // weight[E,2I,K] (rows of each: gate, then up); rms_eps as in gemv. K % 8 == 0.
+  m.def("moe_gemv_silu_mul(Tensor x, Tensor weight, Tensor ids, Tensor(a!) out, float? rms_eps=None) -> ()");
+  // out[M,N] (+)= sum_s weights[m,s] * (x[m,s] @ weight[e]^T), e = ids[m,s], for x[M,k,I] and the
+  // experts' weight[E,N,I]: the fp32 sum rounded to bf16 once (accumulate: then added to out, as
+  // gemv's accumulate). I % 8 == 0. Ids outside [0, E) give NaN, never a read outside weight.
+  m.def("moe_gemv_sum(Tensor x, Tensor weight, Tensor ids, Tensor weights, Tensor(a!) out, "
+        "bool accumulate=False) -> ()");
   // out[B] (int64) = argmax(logits[B,V]); ties go to the lowest index.
   m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
   // out[B] (int64): a token drawn from softmax(logits / temperature) restricted to top_k (0: off)
@@ -110,6 +123,9 @@ TORCH_LIBRARY_IMPL(decodex, CUDA, m) {
   m.impl("silu_mul", &decodex::silu_mul);
   m.impl("decode_attention", &decodex::decode_attention);
   m.impl("rope_append_attention", &decodex::rope_append_attention);
+  m.impl("moe_route", &decodex::moe_route);
+  m.impl("moe_gemv_silu_mul", &decodex::moe_gemv_silu_mul);
+  m.impl("moe_gemv_sum", &decodex::moe_gemv_sum);
   m.impl("argmax", &decodex::argmax);
   m.impl("sample", &decodex::sample);
   m.impl("advance_positions", &decodex::advance_positions);

@@ -111,6 +111,24 @@ inline int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int6
   return h.call(batch, num_kv_heads, capacity, sm_count);
 }
 
+// Mixture of experts: the top_k experts of each row and their weights; the chosen experts'
+// gate|up product with SiLU; their down products summed with the weights.
+inline void moe_route(const T& logits, int64_t top_k, bool norm_topk_prob, T& ids, T& weights) {
+  static auto h = detail::op<void(const T&, int64_t, bool, T&, T&)>("decodex::moe_route");
+  h.call(logits, top_k, norm_topk_prob, ids, weights);
+}
+
+inline void moe_gemv_silu_mul(const T& x, const T& weight, const T& ids, T& out, OptD rms_eps = std::nullopt) {
+  static auto h = detail::op<void(const T&, const T&, const T&, T&, OptD)>("decodex::moe_gemv_silu_mul");
+  h.call(x, weight, ids, out, rms_eps);
+}
+
+inline void moe_gemv_sum(const T& x, const T& weight, const T& ids, const T& weights, T& out,
+                         bool accumulate = false) {
+  static auto h = detail::op<void(const T&, const T&, const T&, const T&, T&, bool)>("decodex::moe_gemv_sum");
+  h.call(x, weight, ids, weights, out, accumulate);
+}
+
 inline void argmax(const T& logits, T& out) {
   static auto h = detail::op<void(const T&, T&)>("decodex::argmax");
   h.call(logits, out);

@@ -39,6 +39,12 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const std::optional<at::Tensor>& bias);
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count);
+void moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob, at::Tensor& ids,
+               at::Tensor& weights);
+void moe_gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
+                       at::Tensor& out, std::optional<double> rms_eps);
+void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
+                  const at::Tensor& weights, at::Tensor& out, bool accumulate);
 void argmax(const at::Tensor& logits, at::Tensor& out);
 void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
             const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,

@@ -1,6 +1,7 @@
 """ModelConfig: the fields of an HF `config.json` that decodex needs, for Qwen2 / Qwen2.5, Qwen3
-(dense: an RMSNorm on each q and k head before RoPE), Llama 2, 3, 3.1 (llama3 RoPE scaling) and 3.2
-(tied embeddings), and Mistral without a sliding window (v0.2, v0.3, Nemo: a Llama without biases).
+(dense: an RMSNorm on each q and k head before RoPE), Qwen3-MoE (Qwen3's attention; a router and
+top-k experts in place of the MLP), Llama 2, 3, 3.1 (llama3 RoPE scaling) and 3.2 (tied
+embeddings), and Mistral without a sliding window (v0.2, v0.3, Nemo: a Llama without biases).
 
 Both config dialects are read: the older one (`rope_theta`, `rope_scaling`, `torch_dtype`) that
 published checkpoints carry, and transformers 5's (`rope_parameters`, `dtype`). Anything decodex
@@ -31,7 +32,7 @@ def token_ids(value, source: str, name: str) -> list[int]:
     return ids
 
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "max_position_embeddings")
@@ -68,9 +69,37 @@ def _yarn_fields(scaling: dict, name: str, max_position_embeddings: int, fail) -
     return out
 
 
+def _moe_fields(raw: dict, get, fail) -> dict:
+    """Qwen3-MoE's expert fields, checked; the layers that route (moe_layers) as transformers picks
+    them: not in mlp_only_layers, and every decoder_sparse_step-th."""
+    # Absent fields take transformers' Qwen3MoeConfig defaults; transformers 5 writes num_experts
+    # as num_local_experts.
+    experts_name = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    experts = get(experts_name, int, default=128)
+    top_k = get("num_experts_per_tok", int, default=8)
+    size = get("moe_intermediate_size", int, default=768)
+    if experts < 1:
+        fail(experts_name, f"must be positive, got {experts}")
+    if not 1 <= top_k <= experts:
+        fail("num_experts_per_tok", f"= {top_k} must be in 1..{experts_name} = {experts}")
+    if size < 1:
+        fail("moe_intermediate_size", f"must be positive, got {size}")
+    step = get("decoder_sparse_step", int, default=1)
+    if step < 1:
+        fail("decoder_sparse_step", f"must be positive, got {step}")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        fail("mlp_only_layers", f"must be a list of layer indices, got {dense!r}")
+    if get("shared_expert_intermediate_size", int, default=0):
+        fail("shared_expert_intermediate_size", "is set; shared experts (Qwen2-MoE) are not supported")
+    layers = tuple(i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=size,
+                norm_topk_prob=get("norm_topk_prob", bool, default=False), moe_layers=layers)
+
+
 @dataclass
 class ModelConfig:
-    model_type: str  # 'qwen2' | 'qwen3' | 'llama' | 'mistral'
+    model_type: str  # 'qwen2' | 'qwen3' | 'qwen3_moe' | 'llama' | 'mistral'
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -88,6 +117,13 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Qwen3-MoE: the layers in moe_layers route each row to num_experts_per_tok of num_experts
+    # experts (SwiGLU MLPs of moe_intermediate_size); the others keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' softmax weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -154,7 +190,7 @@ class ModelConfig:
             fail("hidden_act", f"is {act!r}; only 'silu' is supported")
         if get("mlp_bias", bool, default=False):
             fail("mlp_bias", "is true; MLP biases are not supported")
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             # Qwen2 always has q/k/v biases (and none on o_proj); Qwen3 has all four or none.
             attention_bias = True if model_type == "qwen2" else get("attention_bias", bool, default=False)
             layer_types = raw.get("layer_types") or []
@@ -218,6 +254,7 @@ class ModelConfig:
         rms_norm_eps = get("rms_norm_eps", float, default=1e-6)
         if rms_norm_eps < 0:  # rsqrt of a negative mean square: NaN logits
             fail("rms_norm_eps", f"must not be negative, got {rms_norm_eps!r}")
+        moe = _moe_fields(raw, get, fail) if model_type == "qwen3_moe" else {}
 
         return cls(
             model_type=model_type,
@@ -238,6 +275,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
             bos_token_id=get("bos_token_id", int, default=None),
             eos_token_id=eos_list,
+            **moe,
         )
 
     @property
@@ -261,7 +299,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Qwen3's q_norm / k_norm: an RMSNorm over each q and k head before RoPE."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def o_proj_bias(self) -> bool:
@@ -291,6 +329,15 @@ class ModelConfig:
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+            if i in self.moe_layers:
+                Ie = self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, Hd)
+                for e in range(self.num_experts):
+                    x = p + f"mlp.experts.{e}."
+                    shapes[x + "gate_proj.weight"] = (Ie, Hd)
+                    shapes[x + "up_proj.weight"] = (Ie, Hd)
+                    shapes[x + "down_proj.weight"] = (Hd, Ie)
+                continue
             shapes[p + "mlp.gate_proj.weight"] = (I, Hd)
             shapes[p + "mlp.up_proj.weight"] = (I, Hd)
             shapes[p + "mlp.down_proj.weight"] = (Hd, I)

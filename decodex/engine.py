@@ -564,6 +564,12 @@ class CudaGraphRunner(HostLoop):
             self.attn = zeros(B, H * D)  # [B, H*D]
             self.gate_up = zeros(B, 2 * I)  # [B, 2I]
             self.act = zeros(B, I)  # [B, I]
+            if c.moe_layers:  # Qwen3-MoE's expert layers: the router's logits, its choice, the activations
+                k = c.num_experts_per_tok
+                self.router_logits = zeros(B, c.num_experts)  # [B, E]
+                self.moe_ids = zeros(B, k, dtype=torch.int32)  # [B, k]
+                self.moe_weights = zeros(B, k, dtype=torch.float32)  # [B, k]
+                self.moe_act = zeros(B, k, c.moe_intermediate_size)  # [B, k, Ie]
             self.logits = zeros(B, V)  # [B, V] bf16
             # decode_attention scratch: one buffer sized for the largest graph, viewed per size.
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -579,6 +585,9 @@ class CudaGraphRunner(HostLoop):
             # Host side: the pinned ring the tokens land in, one event per slot.
             self.ring = torch.zeros(self.ring_size, B, dtype=torch.int64, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(self.ring_size)]
+        # The products planned above 8 rows: gate|up and down only where a layer has a dense MLP.
+        self.products = tuple(p for p in PRODUCTS if p not in ("gate_up", "down")
+                              or any(layer.gate_up_w is not None for layer in model.layers))
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.linear_plan: dict[tuple[int, str], str] = {}  # (n, weight name) -> one of PLANS
         self.linear_times_us: dict[tuple[int, str], dict[str, float]] = {}
@@ -787,6 +796,20 @@ class CudaGraphRunner(HostLoop):
                 torch.ops.decodex.gemv_silu_mul(x[s], w, act[s], prefetch_weight=True, rms_eps=rms_eps,
                                                 config=self._gemv_config(n, w))
 
+    def _moe(self, n: int, x, rms_eps, layer) -> None:
+        """residual[n] += the expert layer's output for x[n, Hd] (scaled by 1/rms(x) first if rms_eps
+        is given): the router gemv (8-row chunks), moe_route, moe_gemv_silu_mul over the chosen
+        experts, moe_gemv_sum adding their weighted sum into the residual. Every row's expert choice
+        stays on the device."""
+        ops, c = torch.ops.decodex, self.config
+        logits, ids, weights, act = self.router_logits[:n], self.moe_ids[:n], self.moe_weights[:n], self.moe_act[:n]
+        for r in range(0, n, GEMV_MAX_ROWS):
+            s = slice(r, min(r + GEMV_MAX_ROWS, n))
+            ops.gemv(x[s], layer.router_w, None, logits[s], prefetch_weight=True, rms_eps=rms_eps)
+        ops.moe_route(logits, c.num_experts_per_tok, c.norm_topk_prob, ids, weights)
+        ops.moe_gemv_silu_mul(x, layer.experts_gate_up, ids, act, rms_eps=rms_eps)
+        ops.moe_gemv_sum(act, layer.experts_down, ids, weights, self.residual[:n], accumulate=True)
+
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""
         m, ops = self.model, torch.ops.decodex
@@ -814,6 +837,9 @@ class CudaGraphRunner(HostLoop):
                 ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, ws, attn3, prefetch_cache=True)
             self._add_product(n, "o", attn, layer.o_w, getattr(layer, "o_b", None))
             x, rms_eps = self._normed(n, "gate_up")  # the post-attention norm: folded into gate_up_w
+            if layer.router_w is not None:  # Qwen3-MoE (its router_w and experts_gate_up hold the norm)
+                self._moe(n, x, rms_eps, layer)
+                continue
             self._gate_up_silu(n, x, rms_eps, layer.gate_up_w, act)
             self._add_product(n, "down", act, layer.down_w, None)
         x, _ = self._normed(n, "lm_head", m.final_norm)
@@ -915,7 +941,7 @@ class CudaGraphRunner(HostLoop):
         plans = plans_at(self.plans, n)
         best = self._replay_ms(graph, reading=True)
         tried = {"start": best}
-        for name in PRODUCTS:
+        for name in self.products:
             start = kept = self.linear_plan[(n, name)]
             for plan in plans:
                 if plan == start:
@@ -978,6 +1004,7 @@ class CudaGraphRunner(HostLoop):
         measure). Runs once per graph size on the current (capture) stream, before the step's
         capture, with every row dead (nothing is appended to the cache)."""
         m, L = self.model, self.model.layers
+        dense = [l for l in L if l.gate_up_w is not None]  # the layers with a gate|up and a down product
         attn, act = self.attn[:n], self.act[:n]
 
         def normed_then(name, norm, product):  # the input norm as the step runs it, then product
@@ -988,9 +1015,9 @@ class CudaGraphRunner(HostLoop):
             "qkv": (len(L), lambda: [normed_then("qkv", None, lambda x, e, l=l, i=i: self._qkv_rope(
                 n, x, e, l, self.cache.k[i][:n], self.cache.v[i][:n])) for i, l in enumerate(L)]),
             "o": (len(L), lambda: [self._add_product(n, "o", attn, l.o_w, getattr(l, "o_b", None)) for l in L]),
-            "gate_up": (len(L), lambda: [normed_then("gate_up", None, lambda x, e, l=l: self._gate_up_silu(
-                n, x, e, l.gate_up_w, act)) for l in L]),
-            "down": (len(L), lambda: [self._add_product(n, "down", act, l.down_w, None) for l in L]),
+            "gate_up": (len(dense), lambda: [normed_then("gate_up", None, lambda x, e, l=l: self._gate_up_silu(
+                n, x, e, l.gate_up_w, act)) for l in dense]),
+            "down": (len(dense), lambda: [self._add_product(n, "down", act, l.down_w, None) for l in dense]),
             "lm_head": (1, lambda: normed_then("lm_head", m.final_norm, lambda x, e: self._linear(
                 n, "lm_head", x, m.lm_head, None, self.logits[:n], e))),
         }
@@ -1002,6 +1029,8 @@ class CudaGraphRunner(HostLoop):
             return event_time_ms(graph.replay, reps=5, warmup=1) * 1000.0 / calls
 
         for name, (calls, run) in runs.items():
+            if name not in self.products:
+                continue
             times = {}
             for plan in plans_at(self.plans, n):
                 self.linear_plan[(n, name)] = plan

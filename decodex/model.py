@@ -43,6 +43,8 @@ def unit_norm(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 KERNEL_HEAD_DIMS = (64, 128)  # head dims rope_append / decode_attention are built for
 
 
+MOE_MAX_EXPERTS, MOE_MAX_TOP_K = 1024, 32  # what moe_route (csrc/moe.cu) takes
+
 GEMV_MAX_ROWS = 8  # rows of x of the fused GEMVs and of rms_eps (plain gemv: 64); eager: more go to cuBLAS
 
 
@@ -51,11 +53,16 @@ class Layer:
     qkv_w: torch.Tensor  # [(H + 2*Hkv) * D, Hd]  rows: q, then k, then v; input_layernorm folded in
     qkv_b: torch.Tensor | None  # [(H + 2*Hkv) * D]  (Qwen2; Llama / Qwen3 with attention_bias)
     o_w: torch.Tensor  # [Hd, H*D]
-    gate_up_w: torch.Tensor  # [2*I, Hd]  rows: gate, then up; post_attention_layernorm folded in
-    down_w: torch.Tensor  # [Hd, I]
+    gate_up_w: torch.Tensor | None  # [2*I, Hd]  rows: gate, then up; post_attention_layernorm folded in
+    down_w: torch.Tensor | None  # [Hd, I]  (both None in a mixture-of-experts layer)
     o_b: torch.Tensor | None = None  # [Hd]  Llama / Qwen3 with attention_bias=True
     q_norm: torch.Tensor | None = None  # [D]  Qwen3: RMSNorm weight of each q head, before RoPE
     k_norm: torch.Tensor | None = None  # [D]  Qwen3: the same for each k head
+    # Qwen3-MoE's expert layers (Ie: moe_intermediate_size); post_attention_layernorm folded into
+    # router_w and experts_gate_up.
+    router_w: torch.Tensor | None = None  # [E, Hd]
+    experts_gate_up: torch.Tensor | None = None  # [E, 2*Ie, Hd]  each expert's gate rows, then up
+    experts_down: torch.Tensor | None = None  # [E, Hd, Ie]
 
 
 @dataclass
@@ -109,6 +116,11 @@ class _ReferenceOps:
     def gate_up_silu(cls, x, w, rms_eps=None):  # w [2I, K] = [gate; up] -> silu(x gate^T) * x up^T
         return cls.silu_mul(cls.linear(x, w, rms_eps=rms_eps))
 
+    @staticmethod
+    def moe(x, layer, top_k, norm_topk_prob, rms_eps=None):  # the expert layer's output [M, Hd]
+        return reference.moe(x, layer.router_w, layer.experts_gate_up, layer.experts_down, top_k,
+                             norm_topk_prob, rms_eps)
+
 
 class _ReferenceRowOps(_ReferenceOps):
     """Decode on the reference path: one GEMV per row. BLAS picks different kernels (so different
@@ -118,6 +130,11 @@ class _ReferenceRowOps(_ReferenceOps):
     @staticmethod
     def linear(x, w, b=None, rms_eps=None):
         return torch.cat([reference.gemv(x[i:i + 1], w, b, rms_eps=rms_eps) for i in range(x.shape[0])])
+
+    @staticmethod
+    def moe(x, layer, top_k, norm_topk_prob, rms_eps=None):
+        return torch.cat([_ReferenceOps.moe(x[i:i + 1], layer, top_k, norm_topk_prob, rms_eps)
+                          for i in range(x.shape[0])])
 
 
 class _KernelOps:
@@ -161,6 +178,25 @@ class _KernelOps:
             return cls.silu_mul(F.linear(x if rms_eps is None else cls._normed(x, rms_eps), w))
         out = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
         torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=rms_eps)
+        return out
+
+    @staticmethod
+    def moe(x, layer, top_k, norm_topk_prob, rms_eps=None):
+        """The expert layer: up to 8 rows on the decode graph's kernels (router gemv, moe_route,
+        moe_gemv_silu_mul, moe_gemv_sum), more (a prompt) grouped by expert (reference.moe)."""
+        M = x.shape[0]
+        if M > GEMV_MAX_ROWS:
+            return _ReferenceOps.moe(x, layer, top_k, norm_topk_prob, rms_eps)
+        ops, (E, Hd) = torch.ops.decodex, layer.router_w.shape
+        logits = torch.empty(M, E, dtype=x.dtype, device=x.device)
+        ops.gemv(x, layer.router_w, None, logits, rms_eps=rms_eps)
+        ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+        ops.moe_route(logits, top_k, norm_topk_prob, ids, weights)
+        act = torch.empty(M, top_k, layer.experts_down.shape[2], dtype=x.dtype, device=x.device)
+        ops.moe_gemv_silu_mul(x, layer.experts_gate_up, ids, act, rms_eps=rms_eps)
+        out = torch.empty(M, Hd, dtype=x.dtype, device=x.device)
+        ops.moe_gemv_sum(act, layer.experts_down, ids, weights, out)
         return out
 
 
@@ -210,17 +246,25 @@ class Model:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
+            post_norm = p + "post_attention_layernorm.weight"
+            if i in c.moe_layers:
+                experts = [p + f"mlp.experts.{e}." for e in range(c.num_experts)]
+                mlp = dict(gate_up_w=None, down_w=None, router_w=cat(p + "mlp.gate.weight", norm=post_norm),
+                           experts_gate_up=torch.stack([cat(x + "gate_proj.weight", x + "up_proj.weight",
+                                                            norm=post_norm) for x in experts]),
+                           experts_down=torch.stack([w(x + "down_proj.weight") for x in experts]))
+            else:
+                mlp = dict(gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", norm=post_norm),
+                           down_w=w(p + "mlp.down_proj.weight"))
             self.layers.append(Layer(
                 qkv_w=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
                           norm=p + "input_layernorm.weight"),
                 qkv_b=cat_bias(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if c.attention_bias else None,
                 o_w=w(a + "o_proj.weight"),
-                gate_up_w=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                              norm=p + "post_attention_layernorm.weight"),
-                down_w=w(p + "mlp.down_proj.weight"),
                 o_b=w(a + "o_proj.bias") if c.o_proj_bias else None,
                 q_norm=w(a + "q_norm.weight") if c.qk_norm else None,
                 k_norm=w(a + "k_norm.weight") if c.qk_norm else None,
+                **mlp,
             ))
         self.inv_freq = reference.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(self.device)  # [D/2]
         # YaRN scales cos and sin, so q and k, by its attention factor: every logit by its square.
@@ -236,6 +280,11 @@ class Model:
         c = self.config
         if c.head_dim not in KERNEL_HEAD_DIMS:
             return f"head dim {c.head_dim} (they are built for {' and '.join(map(str, KERNEL_HEAD_DIMS))})"
+        if c.moe_layers and not (c.num_experts <= MOE_MAX_EXPERTS and c.num_experts_per_tok <= MOE_MAX_TOP_K
+                                 and c.moe_intermediate_size % 8 == 0):
+            return (f"{c.num_experts} experts, {c.num_experts_per_tok} a token, moe_intermediate_size "
+                    f"{c.moe_intermediate_size} (moe_route and the expert GEMVs take up to {MOE_MAX_EXPERTS} "
+                    f"experts, {MOE_MAX_TOP_K} a token, and an intermediate size that is a multiple of 8)")
         return None
 
     def head_norms(self, layer: Layer) -> dict:
@@ -279,6 +328,10 @@ class Model:
                 q, k = ops.rms_norm(q, layer.q_norm, eps), ops.rms_norm(k, layer.k_norm, eps)
             attn = attend(i, q, k, v)  # [M, H*D]
             residual = ops.add(residual, ops.linear(attn, layer.o_w, layer.o_b))  # [M, Hd]
+            if layer.router_w is not None:  # Qwen3-MoE: the chosen experts' MLPs, weighted
+                residual = ops.add(residual, ops.moe(residual, layer, c.num_experts_per_tok,
+                                                     c.norm_topk_prob, rms_eps=eps))  # [M, Hd]
+                continue
             act = ops.gate_up_silu(residual, layer.gate_up_w, rms_eps=eps)  # [M, I] = silu(gate) * up
             residual = ops.add(residual, ops.linear(act, layer.down_w))  # [M, Hd]
         if last_only:

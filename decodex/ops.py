@@ -17,8 +17,8 @@ if _ext.available():
         return None
 
     for _name in ("gemv", "gemv_silu_mul", "gemv_rope_append", "rms_norm", "fused_add_rms_norm",
-                  "rope_append", "silu_mul", "decode_attention", "rope_append_attention", "argmax", "sample",
-                  "advance_positions", "lt_linear"):
+                  "rope_append", "silu_mul", "decode_attention", "rope_append_attention", "moe_route",
+                  "moe_gemv_silu_mul", "moe_gemv_sum", "argmax", "sample", "advance_positions", "lt_linear"):
         torch.library.register_fake(f"decodex::{_name}")(_no_output)
 
 
@@ -110,6 +110,36 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float) -> torch.Tensor
     ws = attention_workspace(B, H, k_cache.shape[1], D, k_cache.shape[2], q.device)
     out = torch.empty_like(q)
     ops.decode_attention(q, k_cache, v_cache, lengths, scale, ws, out)
+    return out
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, E] -> (ids [M, top_k] int32, weights [M, top_k] fp32): each row's top_k experts
+    (largest logits first, ties to the lower index) and their softmax weights (renormalised over
+    the top_k if norm_topk_prob)."""
+    _require("moe_route", logits=(logits, 2))
+    ids = torch.empty(logits.shape[0], top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32, device=logits.device)
+    ops.moe_route(logits, top_k, norm_topk_prob, ids, weights)
+    return ids, weights
+
+
+def moe_gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                      rms_eps: float | None = None) -> torch.Tensor:
+    """x [M, K], the experts' gate|up weight [E, 2I, K], ids [M, k] -> new [M, k, I]:
+    silu(x gate_e^T) * (x up_e^T) of each row's experts; rms_eps as in gemv."""
+    _require("moe_gemv_silu_mul", x=(x, 2), weight=(weight, 3), ids=(ids, 2))
+    out = torch.empty(x.shape[0], ids.shape[1], weight.shape[1] // 2, dtype=x.dtype, device=x.device)
+    ops.moe_gemv_silu_mul(x, weight, ids, out, rms_eps=rms_eps)
+    return out
+
+
+def moe_gemv_sum(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x [M, k, I], the experts' down weight [E, N, I], ids and weights [M, k] -> new [M, N]: each
+    row's expert products summed with their weights."""
+    _require("moe_gemv_sum", x=(x, 3), weight=(weight, 3), ids=(ids, 2))
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    ops.moe_gemv_sum(x, weight, ids, weights, out)
     return out
 
 

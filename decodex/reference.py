@@ -225,6 +225,56 @@ def silu_mul(gate_up: torch.Tensor, rms_x: torch.Tensor | None = None,
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [M, E] -> (ids [M, top_k] int32, weights [M, top_k] fp32): the top_k largest logits of
+    each row, descending, ties to the lower index (a stable sort), and their softmax probabilities
+    over all E, divided by the chosen ones' sum if norm_topk_prob (Qwen3-MoE's router). NaN logits
+    rank below every number in the choice."""
+    x = logits.float()
+    ids = torch.sort(torch.nan_to_num(x, nan=-math.inf), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.softmax(x, dim=-1).gather(-1, ids)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def moe_gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                      rms_eps: float | None = None) -> torch.Tensor:
+    """x [M, K], the experts' merged gate|up weight [E, 2I, K], ids [M, k] -> [M, k, I]: row m's
+    gemv_silu_mul with expert ids[m, s]'s weight, for each slot s."""
+    return torch.stack([torch.stack([gemv_silu_mul(x[m:m + 1], weight[int(e)], rms_eps=rms_eps)[0]
+                                     for e in ids[m]]) for m in range(x.shape[0])])
+
+
+def moe_gemv_sum(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, k, I], the experts' weight [E, N, I], ids [M, k], weights [M, k] -> [M, N]: sum over s of
+    weights[m, s] * (x[m, s] @ weight[ids[m, s]]^T) in fp32, rounded to x's dtype once (accumulate
+    [M, N]: then added to it, as gemv's accumulate)."""
+    y = torch.stack([sum(float(w) * (x[m, s].float() @ weight[int(e)].float().t())
+                         for s, (e, w) in enumerate(zip(ids[m], weights[m]))) for m in range(x.shape[0])])
+    y = y.to(x.dtype)
+    return y if accumulate is None else add_rounded(accumulate, y)
+
+
+def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+        norm_topk_prob: bool, rms_eps: float | None = None) -> torch.Tensor:
+    """A Qwen3-MoE block on x [M, K] -> [M, K]: each row routed with router [E, K] (moe_route on the
+    logits rounded to x's dtype), then its chosen experts' SwiGLU MLPs (gate_up [E, 2I, K], down
+    [E, K, I]; activations rounded to x's dtype, as moe_gemv_silu_mul stores them) weighted and
+    summed in fp32, rounded once. rms_eps: x is first scaled by 1/rms(x row), as gemv's rms_eps (the
+    norm's weight folded into router's and gate_up's columns). Grouped by expert, so a prompt of
+    many rows reads each expert once."""
+    xf = x.float() if rms_eps is None else x.float() * inv_rms(x, rms_eps)
+    ids, weights = moe_route((xf @ router.float().t()).to(x.dtype), top_k, norm_topk_prob)
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        rows, slots = torch.where(ids == e)
+        act = silu_mul((xf[rows] @ gate_up[e].float().t()).to(x.dtype))
+        out.index_add_(0, rows, weights[rows, slots, None] * (act.float() @ down[e].float().t()))
+    return out.to(x.dtype)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask=None) -> torch.Tensor:
     """q [T, H, D] over k, v [L, Hkv, D] (grouped-query heads), fp32 softmax. mask [T, L] bool."""
     group = q.shape[1] // k.shape[1]

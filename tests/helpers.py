@@ -20,6 +20,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
             rms_norm_eps=1e-6, rope_theta=10000.0)
 
+# Qwen3-MoE's expert fields at the TINY sizes: 8 experts, 2 a token.
+MOE_TINY = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
 YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -43,7 +46,7 @@ def _randomize_(named_params, generator: torch.Generator):
 
 
 def hf_config(model_type: str, tied: bool = False, rope_scaling: dict | None = None, **overrides):
-    """A transformers config (Qwen2, Qwen3, Llama or Mistral) of the TINY sizes (overrides win;
+    """A transformers config (Qwen2, Qwen3, Qwen3-MoE, Llama or Mistral) of the TINY sizes (overrides win;
     Mistral's sliding window is off unless given)."""
     kwargs = dict(TINY, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     if model_type == "mistral":
@@ -58,7 +61,7 @@ def _hf_classes(model_type: str):
     """transformers' (config class, causal-LM class) for a decodex model_type."""
     import transformers
 
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "llama": "Llama", "mistral": "Mistral"}
     if model_type not in names:
         raise ValueError(f"model_type {model_type!r}")
     name = names[model_type]

@@ -184,6 +184,9 @@ def test_presets_match_transformers_config(key):
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings"):
         assert getattr(theirs, field) == getattr(ours, field), field
+    if ours.moe_layers:
+        assert (theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size, theirs.norm_topk_prob) == (
+            ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size, ours.norm_topk_prob)
     rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta,
                                                         **(theirs.rope_scaling or {})}
     assert rope["rope_theta"] == ours.rope_theta

@@ -367,6 +367,11 @@ MODELS = {
     "qwen3-d128": dict(model_type="qwen3", tied=True, head_dim=128),
     # Mistral: no biases; q is 4 x 128 wide, twice hidden_size (as in Mistral Nemo).
     "mistral-d128-wide-q": dict(model_type="mistral", tied=False, head_dim=128, rope_theta=1e6),
+    # Qwen3-MoE: an expert layer, then a dense one. Every expert is chosen (4 of 4), so the output is
+    # continuous in the router's logits and the fp32 comparison cannot meet a near-tie between
+    # experts; test_moe_graph_routes_as_eager checks a real choice (4 of 16).
+    "qwen3-moe-d128": dict(model_type="qwen3_moe", tied=False, head_dim=128, num_experts=4, num_experts_per_tok=4,
+                           moe_intermediate_size=96, mlp_only_layers=[1]),
 }
 
 
@@ -452,6 +457,35 @@ def test_graph_logits_match_fp32_reference(name):
     runner.eager_step(1)
     torch.cuda.synchronize()
     torch.testing.assert_close(runner.logits[0], replayed, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_moe_graph_routes_as_eager():
+    """Qwen3-MoE choosing 4 of 16 experts a token: the graph's steps (router gemv, moe_route and the
+    expert GEMVs reading the choice on the device) give the eager step's logits bit for bit, step
+    after step, as the choice changes; one capture serves them all."""
+    from decodex.model import Model
+    from helpers import random_weights, tiny_config
+
+    config = tiny_config("qwen3_moe", **dict(GPU_SHAPES, head_dim=128, num_experts=16, num_experts_per_tok=4,
+                                             moe_intermediate_size=96, norm_topk_prob=True))
+    gpu = Model(config, random_weights(config, seed=5), "cuda", torch.bfloat16)
+    runner = engine.CudaGraphRunner(gpu, max_batch=2, capacity=64)
+    prompts = [torch.randint(0, config.vocab_size, (n,)).tolist() for n in (11, 4)]
+    graph, eager = [], []
+    for step_fn, out in ((runner.step, graph), (runner.eager_step, eager)):
+        runner.reset()
+        for row, p in enumerate(prompts):
+            runner.prefill_row(row, p)
+        for _ in range(8):
+            step_fn(2)
+            torch.cuda.synchronize()
+            out.append((runner.logits[:2].clone(), runner.moe_ids[:2].clone()))
+    for i, ((g, gi), (e, ei)) in enumerate(zip(graph, eager)):
+        assert torch.equal(gi, ei), f"step {i}: graph chose experts {gi.tolist()}, eager {ei.tolist()}"
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=f"step {i}")
+    assert len({tuple(ids.flatten().tolist()) for _, ids in graph}) > 1, "the choice never changed"
+    assert runner.num_captures == 1
 
 
 @pytest.mark.parametrize("per_product_ms, keeps", [(1.0, "per product"), (3.0, "all cublas")])

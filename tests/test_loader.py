@@ -56,7 +56,7 @@ def _load(path):
 # ---- config.json ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, words", [
-    (dict(model_type="gemma"), ["model_type", "gemma", "qwen2, qwen3, llama, mistral"]),
+    (dict(model_type="gemma"), ["model_type", "gemma", "qwen2, qwen3, qwen3_moe, llama, mistral"]),
     (dict(hidden_size=_DELETE), ["hidden_size", "required"]),
     (dict(num_hidden_layers="2"), ["num_hidden_layers", "integer"]),
     (dict(num_key_value_heads=3), ["num_key_value_heads", "divide"]),
@@ -89,6 +89,14 @@ def _load(path):
      ["rope_scaling.high_freq_factor", "positive"]),
     (dict(eos_token_id=2.0), ["eos_token_id", "integer"]),
     (dict(model_type="qwen2", layer_types=5), ["layer_types", "list"]),
+    # Qwen3-MoE's expert fields.
+    (dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=9), ["num_experts_per_tok", "1..num_experts"]),
+    (dict(model_type="qwen3_moe", num_local_experts=0), ["num_local_experts", "positive"]),
+    (dict(model_type="qwen3_moe", moe_intermediate_size=-4), ["moe_intermediate_size", "positive"]),
+    (dict(model_type="qwen3_moe", decoder_sparse_step=0), ["decoder_sparse_step", "positive"]),
+    (dict(model_type="qwen3_moe", mlp_only_layers=[0, "1"]), ["mlp_only_layers", "list of layer indices"]),
+    (dict(model_type="qwen3_moe", shared_expert_intermediate_size=512), ["shared_expert_intermediate_size",
+                                                                          "not supported"]),
 ])
 def test_bad_config_field(checkpoints, tmp_path, change, words):
     path = _copy(checkpoints, "single", tmp_path)

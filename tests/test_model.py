@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from decodex.loader import load_model
-from helpers import LLAMA3_SCALING, YARN_SCALING, make_tiny_checkpoint, random_model, random_weights, tiny_config
+from helpers import (LLAMA3_SCALING, MOE_TINY, YARN_SCALING, make_tiny_checkpoint, random_model, random_weights,
+                     tiny_config)
 
 # fp32 vs fp32 (transformers): both do the same math in fp32, so only summation order differs:
 # ~1e-6 relative seen; 1e-4 relative to the largest logit leaves room for other BLAS builds.
@@ -39,6 +40,11 @@ HF_CASES = {
     # optional q/k/v/o biases.
     "qwen3-tied-bf16": ("qwen3", True, False, None, torch.bfloat16, 12, {}),
     "qwen3-attention-bias": ("qwen3", False, True, None, torch.float32, 8, {"attention_bias": True}),
+    # Qwen3-MoE: 8 experts, 2 a token (renormalised); then unnormalised weights, tied, with a dense
+    # first layer (mlp_only_layers).
+    "qwen3-moe": ("qwen3_moe", False, False, None, torch.float32, 11, MOE_TINY),
+    "qwen3-moe-dense-layer-bf16": ("qwen3_moe", True, False, None, torch.bfloat16, 9,
+                                   dict(MOE_TINY, norm_topk_prob=False, mlp_only_layers=[0])),
     # Mistral v0.3's layout: no biases, no sliding window, theta 1e6; the head dim is not
     # hidden_size / heads (as in Mistral Nemo).
     "mistral-head-dim": ("mistral", False, False, None, torch.bfloat16, 15,
@@ -366,3 +372,88 @@ def _assert_follows_hf(model, hf):
     tol = GPU_ATOL_REL * want.abs().max().item()
     err = (got - want).abs().max(dim=-1).values  # per position
     assert (err <= tol).all(), f"positions over {tol:.3g}: {[(i, round(e, 4)) for i, e in enumerate(err.tolist()) if e > tol]}"
+
+
+class _SharedRouting:
+    """Routes the CPU reference models with the kernel path's expert choice, so a near-tie between
+    two experts (which bf16 and fp32 may break differently, a jump in the output) cannot hide a real
+    error: the GPU model's moe_route kernel (and reference.moe_route, which its prompts take) are
+    recorded row by row, and the CPU models' reference.moe_route then takes those ids (their weights
+    still from their own logits). Where the recorded choice is not the fp32 model's own, the test
+    checks it is a near-tie."""
+
+    def __init__(self, monkeypatch):
+        from decodex import reference
+
+        self.reference_route, self.kernel_route = reference.moe_route, torch.ops.decodex.moe_route
+        self.rows, self.replay, self.gaps = [], None, []
+        monkeypatch.setattr(reference, "moe_route", self._reference)
+        monkeypatch.setattr(torch.ops.decodex, "moe_route", self._kernel)
+
+    def _kernel(self, logits, top_k, norm, ids, weights):
+        self.kernel_route(logits, top_k, norm, ids, weights)
+        self.rows += list(ids.cpu())
+
+    def _reference(self, logits, top_k, norm):
+        if self.replay is None:  # the GPU model's prompt (more than 8 rows): recorded
+            ids, weights = self.reference_route(logits, top_k, norm)
+            self.rows += list(ids.cpu())
+            return ids, weights
+        ids = torch.stack([self.replay.pop(0) for _ in range(logits.shape[0])]).to(logits.device)
+        own, _ = self.reference_route(logits, top_k, norm)
+        x = logits.float()
+        # How far the shared choice is from this model's own: its top_k sum of logits minus theirs.
+        self.gaps.append(float((x.gather(-1, own.long()).sum(-1) - x.gather(-1, ids.long()).sum(-1)).max()))
+        weights = torch.softmax(x, -1).gather(-1, ids.long())
+        return ids, weights / weights.sum(-1, keepdim=True) if norm else weights
+
+    def run(self, gpu_call, *cpu_calls):
+        """gpu_call() recorded, then each of cpu_calls with its choice; returns all results."""
+        self.rows = []
+        out = [gpu_call()]
+        for call in cpu_calls:
+            self.replay = list(self.rows)
+            out.append(call())
+            assert not self.replay, "the CPU model routed fewer rows than the GPU model"
+        self.replay = None
+        return out
+
+
+MOE_GPU = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=704,
+               vocab_size=1000, num_hidden_layers=3, mlp_only_layers=[1], num_experts=16, num_experts_per_tok=4,
+               moe_intermediate_size=96, norm_topk_prob=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [5, 37])  # 5: the kernels' routing (<= 8 rows); 37: grouped by expert
+def test_moe_kernel_path_matches_reference(monkeypatch, prompt_len):
+    """Qwen3-MoE (16 experts, 4 a token; a dense middle layer) on the eager kernel path against the
+    fp32 reference for the prompt and 64 decode steps, every step with the same expert choice
+    (_SharedRouting); the kernels' choice differs from fp32's own only at near-ties."""
+    from decodex.model import Model
+
+    config = tiny_config("qwen3_moe", **MOE_GPU)
+    weights = random_weights(config, seed=3, dtype=torch.bfloat16)
+    fp32, bf16, gpu = (Model(config, weights, d, t) for d, t in
+                       (("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.bfloat16)))
+    assert gpu.use_kernels and gpu.layers[0].router_w is not None and gpu.layers[1].router_w is None
+    routing = _SharedRouting(monkeypatch)
+    V, capacity = config.vocab_size, prompt_len + GPU_DECODE_STEPS + 3
+    ids = torch.randint(0, V, (prompt_len,))
+    caches = [m.new_cache(batch=2, capacity=capacity) for m in (fp32, bf16, gpu)]
+    got, want, base = routing.run(lambda: gpu.prefill(ids.cuda(), caches[2], 1),
+                                  lambda: fp32.prefill(ids, caches[0], 1), lambda: bf16.prefill(ids, caches[1], 1))
+    tol = _check_step(f"moe prefill (T={prompt_len})", got, base, want)
+    for step in range(GPU_DECODE_STEPS):
+        pos = prompt_len + step
+        tokens = torch.full((2,), int(want[-1].argmax()))
+        positions = torch.tensor([-1, pos], dtype=torch.int32)  # row 0 idle
+        got, want, base = routing.run(lambda: gpu.decode(tokens.cuda(), positions.cuda(), caches[2]),
+                                      lambda: fp32.decode(tokens, positions, caches[0]),
+                                      lambda: bf16.decode(tokens, positions, caches[1]))
+        want, base, got = want[1:], base[1:], got[1:]
+        tol = _check_step(f"moe decode step {step} (position {pos})", got, base, want)
+    # The shared choice was fp32's own but for near-ties: its logits then within bf16's error of it.
+    near = [g for g in routing.gaps if g > 0]
+    assert max(routing.gaps) < 0.1, f"the kernels chose experts fp32 ranks well below its own: gaps {near}"
+    print(f"expert choices that differed from fp32's own (near-ties; logit-sum gaps): {near}")

@@ -19,6 +19,11 @@ CPU_CALLS = {
     "silu_mul": ((torch.randn(2, 8, dtype=bf16),), "gate_up"),
     "decode_attention": ((torch.randn(1, 2, 8, dtype=bf16), torch.randn(1, 1, 4, 8, dtype=bf16), None, None,
                           1.0), "q"),
+    "moe_route": ((torch.randn(2, 5, dtype=bf16), 2, True), "logits"),
+    "moe_gemv_silu_mul": ((torch.randn(2, 8, dtype=bf16), torch.randn(3, 4, 8, dtype=bf16),
+                           torch.zeros(2, 2, dtype=torch.int32)), "x"),
+    "moe_gemv_sum": ((torch.randn(2, 2, 8, dtype=bf16), torch.randn(3, 4, 8, dtype=bf16),
+                      torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)), "x"),
     "argmax": ((torch.randn(2, 5),), "logits"),
     "sample": ((torch.randn(2, 5), None, None, None, None, None), "logits"),
 }

@@ -1,0 +1,380 @@
+// Mixture-of-experts decode (Qwen3-MoE): the routing and the chosen experts' products, for a few
+// rows of x, with the expert choice staying on the device.
+//
+//   moe_route          logits [M, E] -> ids [M, k] (int32), the k largest logits of each row in
+//                      descending order (ties to the lower index), and weights [M, k] (fp32): their
+//                      softmax probabilities over all E, renormalised to sum to 1 over the k if
+//                      norm_topk_prob.
+//   moe_gemv_silu_mul  out[m, s] = silu(x[m] . gate_e^T) * (x[m] . up_e^T), e = ids[m, s], for the
+//                      experts' merged gate|up weights [E, 2I, K] (rows: gate, then up), each
+//                      product rounded to bf16 first, as gemv_silu_mul; rms_eps as in gemv.
+//   moe_gemv_sum       out[m] (+)= sum_s weights[m, s] * (x[m, s] . down_e^T), e = ids[m, s], for the
+//                      experts' down weights [E, N, I]: the sum in fp32, rounded to bf16 once
+//                      (accumulate: then added to out, as gemv's accumulate).
+//
+// Idea. A decode row reads only its k experts' weights, and which they are is known only on the
+// device: the expert kernels read the ids after their programmatic-dependent-launch wait and index
+// the stacked weights with them, so the step has no host sync and one CUDA graph serves every
+// routing. A warp computes one output: moe_gemv_silu_mul one feature of one (row, slot) (its gate
+// and up rows), moe_gemv_sum one output feature of one row over all k experts, so the weighted sum
+// needs no second pass and is added in one fixed order. Lanes stride over the inner dim in 16-byte
+// loads (kMoeUnroll per row in flight), and their sums meet in a shuffle reduction. An expert chosen
+// by several rows is read once per (row, slot): at the few rows of a decode step that costs little
+// (mostly L2 hits); prompts (many rows) take grouped GEMMs instead (decodex/model.py).
+// The weights' first bytes cannot be loaded before the wait, as the GEMVs do (prefetch_weight):
+// which expert to read is what the kernel ahead writes.
+// Ids outside [0, E) are never dereferenced: their outputs are NaN.
+#include "common.h"
+#include "ops.h"
+#include "ptx.cuh"
+
+namespace decodex {
+
+namespace {
+
+constexpr int kMoeWarps = 8;             // warps (outputs) per block of the expert kernels
+constexpr int kMoeUnroll = 4;            // 16-byte loads per weight row in flight per lane
+constexpr int kMoeMaxTopK = 32;          // k: moe_gemv_sum keeps a row's ids and weights in smem
+constexpr int kRouteWarps = 4;           // moe_route: rows per block, one warp each
+constexpr int kRoutePerLane = 32;        // logits a lane holds
+constexpr int kRouteMaxExperts = 32 * kRoutePerLane;
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+  float a[8], b[8];
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(&w), a);
+  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(&x), b);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = __fmaf_rn(a[i], b[i], acc);
+  return acc;
+}
+
+__device__ __forceinline__ float squares8(uint4 x, float acc) {
+  return add_squares8(*reinterpret_cast<const bf16x8*>(&x), acc);
+}
+
+// ---- moe_route ----
+
+// One warp per row. Lane l holds logits l, l + 32, ...; a round of a warp max over (value, -index)
+// keys picks the next expert. NaN logits rank below every number in the choice (their softmax
+// weights are NaN all the same, so the row's output shows them).
+__global__ void __launch_bounds__(kRouteWarps * 32)
+moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M, int E, int k,
+                 bool norm, int* __restrict__ ids, float* __restrict__ weights) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int m = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (m >= M) return;
+  const __nv_bfloat16* row = logits + m * stride;
+  float v[kRoutePerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? __bfloat162float(row[e]) : -INFINITY;
+    mx = fmaxf(mx, v[j]);  // fmaxf skips NaN
+  }
+  mx = warp_reduce(mx, Max{});
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    if (lane + 32 * j < E) sum += expf(v[j] - mx);
+  }
+  sum = warp_reduce(sum, Sum{});
+  unsigned taken = 0;  // bit j: expert lane + 32 j chosen
+  float chosen_sum = 0.f, w_lane = 0.f;
+  int id_lane = 0;
+  for (int r = 0; r < k; ++r) {
+    // Key: order-preserving bits of the value (NaN as -inf) above the complemented index, so the
+    // unsigned max is the largest value at the lowest index.
+    unsigned long long best = 0;
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      const int e = lane + 32 * j;
+      if (e >= E || (taken >> j & 1u)) continue;
+      const float x = isnan(v[j]) ? -INFINITY : v[j];
+      const unsigned bits = __float_as_uint(x);
+      const unsigned ord = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+      const unsigned long long key =
+          (static_cast<unsigned long long>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(e));
+      best = key > best ? key : best;
+    }
+    best = warp_reduce(best, Max{});
+    const int e = static_cast<int>(0xffffffffu - static_cast<unsigned>(best & 0xffffffffu));
+    if ((e & 31) == lane) taken |= 1u << (e >> 5);
+    // The chosen logit, from its lane.
+    float val = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      if (j == (e >> 5)) val = v[j];
+    }
+    val = __shfl_sync(0xffffffffu, val, e & 31);
+    const float prob = __fdiv_rn(expf(val - mx), sum);
+    chosen_sum += prob;
+    if (lane == r) {
+      id_lane = e;
+      w_lane = prob;
+    }
+  }
+  if (lane < k) {
+    ids[m * k + lane] = id_lane;
+    weights[m * k + lane] = norm ? __fdiv_rn(w_lane, chosen_sum) : w_lane;
+  }
+}
+
+// ---- moe_gemv_silu_mul ----
+
+// grid (ceil(I / kMoeWarps), M * k): block y is the pair (m, s); warp w computes feature j = block x
+// * kMoeWarps + w of it.
+template <bool kRms>
+__global__ void __launch_bounds__(kMoeWarps * 32)
+moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
+                         const __nv_bfloat16* __restrict__ w,  // [E, 2I, K]
+                         const int* __restrict__ ids, int k, int E, int I, int K, float rms_eps,
+                         __nv_bfloat16* __restrict__ out) {  // [M, k, I]
+  pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int j = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
+  const int pair = blockIdx.y, m = pair / k;
+  if (j >= I) return;
+  const int e = ids[pair];
+  __nv_bfloat16* o = out + static_cast<int64_t>(pair) * I + j;
+  if (e < 0 || e >= E) {
+    if (lane == 0) *o = __float2bfloat16_rn(NAN);
+    return;
+  }
+  const __nv_bfloat16* xr = x + m * x_stride;
+  const __nv_bfloat16* gate = w + (static_cast<int64_t>(e) * 2 * I + j) * K;
+  const __nv_bfloat16* up = gate + static_cast<int64_t>(I) * K;
+  const int chunks = K / 8;
+  float g = 0.f, u = 0.f, ss = 0.f;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
+    uint4 gv[kMoeUnroll], uv[kMoeUnroll], xv[kMoeUnroll];
+#pragma unroll
+    for (int t = 0; t < kMoeUnroll; ++t) {
+      const int c = c0 + 32 * t;
+      gv[t] = load16_stream_l2_256(gate + 8 * c, c < chunks);
+      uv[t] = load16_stream_l2_256(up + 8 * c, c < chunks);
+      xv[t] = load16_cached(xr + 8 * c, c < chunks);
+    }
+#pragma unroll
+    for (int t = 0; t < kMoeUnroll; ++t) {  // absent chunks are zeros: they add nothing
+      g = dot8(gv[t], xv[t], g);
+      u = dot8(uv[t], xv[t], u);
+      if constexpr (kRms) ss = squares8(xv[t], ss);
+    }
+  }
+  g = warp_reduce(g, Sum{});
+  u = warp_reduce(u, Sum{});
+  if constexpr (kRms) {
+    const float inv = rms_inv(warp_reduce(ss, Sum{}), K, rms_eps);
+    g = __fmul_rn(g, inv);
+    u = __fmul_rn(u, inv);
+  }
+  if (lane == 0) {
+    // The products rounded to bf16 before the activation, as gemv_silu_mul stores them.
+    const float gr = __bfloat162float(__float2bfloat16_rn(g));
+    const float ur = __bfloat162float(__float2bfloat16_rn(u));
+    *o = __float2bfloat16_rn(silu_times(gr, ur));
+  }
+}
+
+// ---- moe_gemv_sum ----
+
+// grid (ceil(N / kMoeWarps), M): warp w of block (bx, m) computes output feature n = bx * kMoeWarps
+// + w of row m, over its k experts.
+__global__ void __launch_bounds__(kMoeWarps * 32)
+moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
+                    const __nv_bfloat16* __restrict__ w,  // [E, N, I]
+                    const int* __restrict__ ids, const float* __restrict__ weights, int k, int E,
+                    int N, int I, bool accumulate,
+                    __nv_bfloat16* __restrict__ out, int64_t out_stride) {  // [M, N]
+  pdl_begin();
+  __shared__ int sm_id[kMoeMaxTopK];
+  __shared__ float sm_w[kMoeMaxTopK];
+  const int lane = threadIdx.x & 31, m = blockIdx.y;
+  if (threadIdx.x < k) {
+    sm_id[threadIdx.x] = ids[m * k + threadIdx.x];
+    sm_w[threadIdx.x] = weights[m * k + threadIdx.x];
+  }
+  __syncthreads();
+  const int n = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
+  if (n >= N) return;
+  bool bad = false;
+  for (int s = 0; s < k; ++s) bad |= sm_id[s] < 0 || sm_id[s] >= E;
+  const int chunks = I / 8;
+  float acc = 0.f;
+  if (!bad) {
+    for (int s = 0; s < k; ++s) {
+      const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
+      const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
+      float d = 0.f;
+      for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
+        uint4 wv[kMoeUnroll], xv[kMoeUnroll];
+#pragma unroll
+        for (int t = 0; t < kMoeUnroll; ++t) {
+          const int c = c0 + 32 * t;
+          wv[t] = load16_stream_l2_256(wr + 8 * c, c < chunks);
+          xv[t] = load16_cached(xr + 8 * c, c < chunks);
+        }
+#pragma unroll
+        for (int t = 0; t < kMoeUnroll; ++t) d = dot8(wv[t], xv[t], d);
+      }
+      acc = __fmaf_rn(sm_w[s], warp_reduce(d, Sum{}), acc);
+    }
+  }
+  if (lane == 0) {
+    __nv_bfloat16* o = out + m * out_stride + n;
+    const __nv_bfloat16 y = __float2bfloat16_rn(bad ? NAN : acc);
+    *o = accumulate ? __float2bfloat16_rn(__fadd_rn(__bfloat162float(*o), __bfloat162float(y))) : y;
+  }
+}
+
+// The checks every expert op shares: ids [M, k] int32 contiguous on x's device.
+void check_ids(const char* op, const at::Tensor& ids, int64_t M, const at::Tensor& ref) {
+  DX_CHECK(ids.is_cuda() && ids.device() == ref.device(), "decodex::", op, ": ids must be a CUDA tensor on ",
+           ref.device(), ", got ", ids.device());
+  DX_CHECK(ids.scalar_type() == at::kInt, "decodex::", op, ": ids must have dtype Int, got ",
+           ids.scalar_type());
+  DX_CHECK(ids.dim() == 2 && ids.size(0) == M && ids.size(1) >= 1 && ids.size(1) <= kMoeMaxTopK,
+           "decodex::", op, ": ids must have shape [M, k] with M = ", M, " and 1 <= k <= ", kMoeMaxTopK,
+           ", got ", ids.sizes());
+  DX_CHECK(ids.is_contiguous(), "decodex::", op, ": ids must be contiguous, got strides ", ids.strides());
+}
+
+// Stacked expert weights [E, rows, K]: bf16, contiguous, aligned, K a positive multiple of 8.
+void check_experts(const char* op, const at::Tensor& w, const at::Tensor& ref) {
+  DX_CHECK(w.is_cuda() && w.device() == ref.device(), "decodex::", op, ": weight must be a CUDA tensor on ",
+           ref.device(), ", got ", w.device());
+  DX_CHECK(w.scalar_type() == at::kBFloat16, "decodex::", op, ": weight must have dtype BFloat16, got ",
+           w.scalar_type());
+  DX_CHECK(w.dim() == 3 && w.size(0) >= 1 && w.size(1) >= 1 && w.size(2) >= 8 && w.size(2) % 8 == 0,
+           "decodex::", op, ": weight must have shape [E, rows, K] with K a positive multiple of 8, got ",
+           w.sizes());
+  DX_CHECK(w.is_contiguous(), "decodex::", op, ": weight must be contiguous, got strides ", w.strides());
+  DX_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0, "decodex::", op,
+           ": weight must be 16-byte aligned");
+  DX_CHECK(w.size(0) <= 0x7fffffff && w.size(1) <= 0x7fffffff && w.size(2) <= 0x7fffffff,
+           "decodex::", op, ": weight dims must each be below 2^31, got ", w.sizes());
+}
+
+}  // namespace
+
+void moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob, at::Tensor& ids,
+               at::Tensor& weights) {
+  DX_CHECK_CUDA(logits);
+  DX_CHECK_DTYPE(logits, at::kBFloat16);
+  DX_CHECK_DIM(logits, 2);
+  const int64_t M = logits.size(0), E = logits.size(1);
+  DX_CHECK(E >= 1 && E <= kRouteMaxExperts, "moe_route: logits.size(1) (experts) must be in 1..",
+           kRouteMaxExperts, ", got ", E);
+  DX_CHECK(top_k >= 1 && top_k <= E && top_k <= 32, "moe_route: top_k must be in 1..min(32, experts = ", E,
+           "), got ", top_k);
+  DX_CHECK(logits.stride(1) == 1, "logits must be contiguous along its last dim, got strides ",
+           logits.strides());
+  DX_CHECK(M <= 0x7fffffff / 32, "moe_route: too many rows: ", M);
+  check_ids("moe_route", ids, M, logits);
+  DX_CHECK(ids.size(1) == top_k, "moe_route: ids must have shape [M, top_k] = [", M, ", ", top_k, "], got ",
+           ids.sizes());
+  DX_CHECK(weights.is_cuda() && weights.device() == logits.device(), "weights must be a CUDA tensor on ",
+           logits.device(), ", got ", weights.device());
+  DX_CHECK_DTYPE(weights, at::kFloat);
+  DX_CHECK_SHAPE(weights, M, top_k);
+  DX_CHECK_CONTIGUOUS(weights);
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaError_t err = launch_pdl(
+      moe_route_kernel, dim3(static_cast<unsigned>(ceil_div(M, kRouteWarps))), dim3(kRouteWarps * 32), 0,
+      current_stream(), reinterpret_cast<const __nv_bfloat16*>(logits.data_ptr()), logits.stride(0),
+      static_cast<int>(M), static_cast<int>(E), static_cast<int>(top_k), norm_topk_prob,
+      ids.data_ptr<int>(), weights.data_ptr<float>());
+  DX_CHECK_LAUNCHED(err, "moe_route");
+  DX_CHECK_LAUNCH("moe_route");
+}
+
+void moe_gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
+                       at::Tensor& out, std::optional<double> rms_eps) {
+  DX_CHECK_CUDA(x);
+  DX_CHECK_DTYPE(x, at::kBFloat16);
+  DX_CHECK_DIM(x, 2);
+  const int64_t M = x.size(0), K = x.size(1);
+  check_experts("moe_gemv_silu_mul", weight, x);
+  const int64_t E = weight.size(0), I2 = weight.size(1);
+  DX_CHECK(weight.size(2) == K, "moe_gemv_silu_mul: weight.size(2) must equal x.size(1) = ", K, ", got ",
+           weight.size(2));
+  DX_CHECK(I2 % 2 == 0, "moe_gemv_silu_mul: weight.size(1) = 2I must be even, got ", I2);
+  const int64_t I = I2 / 2;
+  DX_CHECK(x.stride(1) == 1 && (M <= 1 || (x.stride(0) >= K && x.stride(0) % 8 == 0)),
+           "x must have contiguous rows with a stride that is a multiple of 8, got strides ", x.strides());
+  DX_CHECK_ALIGNED16(x);
+  check_ids("moe_gemv_silu_mul", ids, M, x);
+  const int64_t k = ids.size(1);
+  DX_CHECK(out.is_cuda() && out.device() == x.device(), "out must be a CUDA tensor on ", x.device(), ", got ",
+           out.device());
+  DX_CHECK_DTYPE(out, at::kBFloat16);
+  DX_CHECK_SHAPE(out, M, k, I);
+  DX_CHECK_CONTIGUOUS(out);
+  DX_CHECK(M * k <= 65535, "moe_gemv_silu_mul: M * k = ", M * k, " (row, expert) pairs is more than one grid "
+           "column holds (65535)");
+  DX_CHECK(!spans_overlap(out, x) && !spans_overlap(out, ids) && !spans_overlap(out, weight),
+           "moe_gemv_silu_mul: out must not overlap x, weight or ids");
+  const float eps = rms_eps ? check_rms_eps("moe_gemv_silu_mul", *rms_eps) : 0.f;
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const dim3 grid(static_cast<unsigned>(ceil_div(I, kMoeWarps)), static_cast<unsigned>(M * k));
+  const cudaError_t err = launch_pdl(
+      rms_eps ? moe_gemv_silu_mul_kernel<true> : moe_gemv_silu_mul_kernel<false>, grid, dim3(kMoeWarps * 32),
+      0, current_stream(), reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), M <= 1 ? K : x.stride(0),
+      reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), ids.data_ptr<int>(), static_cast<int>(k),
+      static_cast<int>(E), static_cast<int>(I), static_cast<int>(K), eps,
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()));
+  DX_CHECK_LAUNCHED(err, "moe_gemv_silu_mul");
+  DX_CHECK_LAUNCH("moe_gemv_silu_mul");
+}
+
+void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
+                  const at::Tensor& weights, at::Tensor& out, bool accumulate) {
+  DX_CHECK_CUDA(x);
+  DX_CHECK_DTYPE(x, at::kBFloat16);
+  DX_CHECK_DIM(x, 3);
+  const int64_t M = x.size(0), k = x.size(1), I = x.size(2);
+  DX_CHECK_CONTIGUOUS(x);
+  DX_CHECK_ALIGNED16(x);
+  check_experts("moe_gemv_sum", weight, x);
+  const int64_t E = weight.size(0), N = weight.size(1);
+  DX_CHECK(weight.size(2) == I, "moe_gemv_sum: weight.size(2) must equal x.size(2) = ", I, ", got ",
+           weight.size(2));
+  check_ids("moe_gemv_sum", ids, M, x);
+  DX_CHECK(ids.size(1) == k, "moe_gemv_sum: ids must have shape [M, k] = [", M, ", ", k, "] (x's first two "
+           "dims), got ", ids.sizes());
+  DX_CHECK(weights.is_cuda() && weights.device() == x.device(), "weights must be a CUDA tensor on ",
+           x.device(), ", got ", weights.device());
+  DX_CHECK_DTYPE(weights, at::kFloat);
+  DX_CHECK_SHAPE(weights, M, k);
+  DX_CHECK_CONTIGUOUS(weights);
+  DX_CHECK(out.is_cuda() && out.device() == x.device(), "out must be a CUDA tensor on ", x.device(), ", got ",
+           out.device());
+  DX_CHECK_DTYPE(out, at::kBFloat16);
+  DX_CHECK_DIM(out, 2);
+  DX_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [M, N] = [", M, ", ", N, "], got ",
+           out.sizes());
+  DX_CHECK(out.stride(1) == 1 && (M <= 1 || out.stride(0) >= N),
+           "out must have contiguous rows, got strides ", out.strides());
+  DX_CHECK(M <= 65535, "moe_gemv_sum: M = ", M, " rows is more than one grid column holds (65535)");
+  DX_CHECK(!spans_overlap(out, x) && !spans_overlap(out, ids) && !spans_overlap(out, weights) &&
+               !spans_overlap(out, weight),
+           "moe_gemv_sum: out must not overlap x, weight, ids or weights");
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const dim3 grid(static_cast<unsigned>(ceil_div(N, kMoeWarps)), static_cast<unsigned>(M));
+  const cudaError_t err = launch_pdl(
+      moe_gemv_sum_kernel, grid, dim3(kMoeWarps * 32), 0, current_stream(),
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+      reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), ids.data_ptr<int>(),
+      weights.data_ptr<float>(), static_cast<int>(k), static_cast<int>(E), static_cast<int>(N),
+      static_cast<int>(I), accumulate, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+      M <= 1 ? N : out.stride(0));
+  DX_CHECK_LAUNCHED(err, "moe_gemv_sum");
+  DX_CHECK_LAUNCH("moe_gemv_sum");
+}
+
+}  // namespace decodex
