@@ -49,7 +49,8 @@ MS = [1, 2, 4, 8]
 
 
 def model_shapes(keys) -> list[tuple[str, str, int, int]]:
-    """SHAPES' rows for bench.decode's model presets (by key): each decode-step product's weight."""
+    """SHAPES' rows for bench.decode's model presets (by key): each decode-step product's weight (for
+    a mixture of experts, its router's; bench.moe times the experts)."""
     from bench.decode import MODELS, config_dict
 
     out = []
@@ -59,10 +60,12 @@ def model_shapes(keys) -> list[tuple[str, str, int, int]]:
         c = config_dict(key)
         hidden, inter = c["hidden_size"], c["intermediate_size"]
         q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+        # A mixture of experts' layers have a router instead (the experts: bench.moe).
+        mlp = ((("router", c["num_experts"], hidden),) if c.get("num_experts") else
+               (("gate|up", 2 * inter, hidden), ("down", hidden, inter)))
         out += [(MODELS[key]["name"], name, N, K) for name, N, K in (
             ("q", q, hidden), ("k", kv, hidden), ("v", kv, hidden), ("qkv", q + 2 * kv, hidden), ("o", hidden, q),
-            ("gate|up", 2 * inter, hidden), ("down", hidden, inter),
-            ("lm_head", c["vocab_size"], hidden))]
+            *mlp, ("lm_head", c["vocab_size"], hidden))]
     return out
 MAX_STACK_BYTES = 3 << 30  # the two lm_heads would otherwise stack 4 GB copies
 TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
