@@ -83,8 +83,8 @@ TORCH_LIBRARY(decodex, m) {
         &decodex::decode_attention_splits);
   // Mixture of experts (Qwen3-MoE), the expert choice on the device. moe_route: ids[M,top_k]
   // (int32) = the top_k largest logits[M,E] (bf16) of each row, descending, ties to the lower
-  // index; weights[M,top_k] (fp32) = their softmax probabilities over all E, renormalised to sum to
-  // 1 if norm_topk_prob.
+  // index (NaN counts as -inf); weights[M,top_k] (fp32) = their softmax probabilities over all E,
+  // renormalised to sum to 1 if norm_topk_prob. E <= 1024, top_k <= 32.
   m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob, Tensor(a!) ids, Tensor(b!) weights) -> ()");
   // out[M,k,I] = silu(x[m] @ gate_e^T) * (x[m] @ up_e^T), e = ids[m,s], for the experts' merged
   // weight[E,2I,K] (rows of each: gate, then up); rms_eps as in gemv. K % 8 == 0.

@@ -2,7 +2,7 @@
 // rows of x, with the expert choice staying on the device.
 //
 //   moe_route          logits [M, E] -> ids [M, k] (int32), the k largest logits of each row in
-//                      descending order (ties to the lower index), and weights [M, k] (fp32): their
+//                      descending order (ties to the lower index, NaN as -inf), and weights [M, k] (fp32): their
 //                      softmax probabilities over all E, renormalised to sum to 1 over the k if
 //                      norm_topk_prob.
 //   moe_gemv_silu_mul  out[m, s] = silu(x[m] . gate_e^T) * (x[m] . up_e^T), e = ids[m, s], for the
@@ -18,7 +18,8 @@
 // routing. A warp computes one output: moe_gemv_silu_mul one feature of one (row, slot) (its gate
 // and up rows), moe_gemv_sum one output feature of one row over all k experts, so the weighted sum
 // needs no second pass and is added in one fixed order. Lanes stride over the inner dim in 16-byte
-// loads (kMoeUnroll per row in flight), and their sums meet in a shuffle reduction. An expert chosen
+// loads, software-pipelined (the next kMoeUnroll chunks a row issued before the current ones are
+// used), and their sums meet in a shuffle reduction. An expert chosen
 // by several rows is read once per (row, slot): at the few rows of a decode step that costs little
 // (mostly L2 hits); prompts (many rows) take grouped GEMMs instead (decodex/model.py).
 // The weights' first bytes cannot be loaded before the wait, as the GEMVs do (prefetch_weight):
@@ -33,11 +34,10 @@ namespace decodex {
 namespace {
 
 constexpr int kMoeWarps = 8;             // warps (outputs) per block of the expert kernels
-constexpr int kMoeUnroll = 4;            // 16-byte loads per weight row in flight per lane
+constexpr int kMoeUnroll = 4;            // 16-byte chunks per weight row a lane loads per trip
 constexpr int kMoeMaxTopK = 32;          // k: moe_gemv_sum keeps a row's ids and weights in smem
 constexpr int kRouteWarps = 4;           // moe_route: rows per block, one warp each
-constexpr int kRoutePerLane = 32;        // logits a lane holds
-constexpr int kRouteMaxExperts = 32 * kRoutePerLane;
+constexpr int kRouteMaxExperts = 1024;   // 32 logits a lane
 
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   float a[8], b[8];
@@ -54,21 +54,32 @@ __device__ __forceinline__ float squares8(uint4 x, float acc) {
 
 // ---- moe_route ----
 
-// One warp per row. Lane l holds logits l, l + 32, ...; a round of a warp max over (value, -index)
-// keys picks the next expert. NaN logits rank below every number in the choice (their softmax
-// weights are NaN all the same, so the row's output shows them).
+// The choice key of expert e with logit x: order-preserving bits of x above the complemented index,
+// so the unsigned max is the largest logit at the lowest index. NaN counts as -inf; -0 as +0 (equal
+// logits tie, as the reference's stable sort has them).
+__device__ __forceinline__ unsigned long long route_key(float x, int e) {
+  x = isnan(x) ? -INFINITY : __fadd_rn(x, 0.f);
+  const unsigned bits = __float_as_uint(x);
+  const unsigned ord = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return (static_cast<unsigned long long>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(e));
+}
+
+// One warp per row; lane l holds logits l, l + 32, ... (kPerLane of them: E <= 32 kPerLane) and its
+// best unchosen key. Each round a warp max picks the next expert, and only the lane that held it
+// looks for its next best.
+template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * 32)
 moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M, int E, int k,
                  bool norm, int* __restrict__ ids, float* __restrict__ weights) {
   pdl_begin();
   const int lane = threadIdx.x & 31;
   const int m = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
-  if (m >= M) return;
+  if (m >= M) return;  // a whole warp
   const __nv_bfloat16* row = logits + m * stride;
-  float v[kRoutePerLane];
+  float v[kPerLane];
   float mx = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
+  for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j;
     v[j] = e < E ? __bfloat162float(row[e]) : -INFINITY;
     mx = fmaxf(mx, v[j]);  // fmaxf skips NaN
@@ -76,36 +87,37 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
   mx = warp_reduce(mx, Max{});
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
-    if (lane + 32 * j < E) sum += expf(v[j] - mx);
+  for (int j = 0; j < kPerLane; ++j) {
+    if (lane + 32 * j < E) sum += expf(v[j] - mx);  // a NaN logit makes every weight NaN, as softmax
   }
   sum = warp_reduce(sum, Sum{});
   unsigned taken = 0;  // bit j: expert lane + 32 j chosen
+  auto lane_best = [&] {
+    unsigned long long best = 0;  // no candidate left on this lane
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E && !(taken >> j & 1u)) {
+        const unsigned long long key = route_key(v[j], e);
+        best = key > best ? key : best;
+      }
+    }
+    return best;
+  };
+  unsigned long long mine = lane_best();
   float chosen_sum = 0.f, w_lane = 0.f;
   int id_lane = 0;
   for (int r = 0; r < k; ++r) {
-    // Key: order-preserving bits of the value (NaN as -inf) above the complemented index, so the
-    // unsigned max is the largest value at the lowest index.
-    unsigned long long best = 0;
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
-      const int e = lane + 32 * j;
-      if (e >= E || (taken >> j & 1u)) continue;
-      const float x = isnan(v[j]) ? -INFINITY : v[j];
-      const unsigned bits = __float_as_uint(x);
-      const unsigned ord = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-      const unsigned long long key =
-          (static_cast<unsigned long long>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(e));
-      best = key > best ? key : best;
-    }
-    best = warp_reduce(best, Max{});
+    const unsigned long long best = warp_reduce(mine, Max{});
     const int e = static_cast<int>(0xffffffffu - static_cast<unsigned>(best & 0xffffffffu));
-    if ((e & 31) == lane) taken |= 1u << (e >> 5);
-    // The chosen logit, from its lane.
-    float val = 0.f;
+    float val = 0.f;  // the chosen logit, from its lane
+    if ((e & 31) == lane) {
 #pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
-      if (j == (e >> 5)) val = v[j];
+      for (int j = 0; j < kPerLane; ++j) {
+        if (j == (e >> 5)) val = v[j];
+      }
+      taken |= 1u << (e >> 5);
+      mine = lane_best();
     }
     val = __shfl_sync(0xffffffffu, val, e & 31);
     const float prob = __fdiv_rn(expf(val - mx), sum);
@@ -121,10 +133,14 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
   }
 }
 
-// ---- moe_gemv_silu_mul ----
+// ---- the expert GEMVs ----
+// A lane's loads come in trips of kMoeUnroll 16-byte chunks per row (chunk c = c0 + 32 t), and the
+// next trip's are issued before the current trip's math (software pipelining: ptxas would otherwise
+// interleave each load with its use, leaving one chunk a row in flight). Chunks past the row are
+// predicated off (zeros, no load), so they add nothing.
 
 // grid (ceil(I / kMoeWarps), M * k): block y is the pair (m, s); warp w computes feature j = block x
-// * kMoeWarps + w of it.
+// * kMoeWarps + w of it: its gate row j and up row I + j of expert ids[m, s].
 template <bool kRms>
 __global__ void __launch_bounds__(kMoeWarps * 32)
 moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
@@ -135,7 +151,7 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
   const int lane = threadIdx.x & 31;
   const int j = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
   const int pair = blockIdx.y, m = pair / k;
-  if (j >= I) return;
+  if (j >= I) return;  // a whole warp
   const int e = ids[pair];
   __nv_bfloat16* o = out + static_cast<int64_t>(pair) * I + j;
   if (e < 0 || e >= E) {
@@ -146,21 +162,29 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
   const __nv_bfloat16* gate = w + (static_cast<int64_t>(e) * 2 * I + j) * K;
   const __nv_bfloat16* up = gate + static_cast<int64_t>(I) * K;
   const int chunks = K / 8;
-  float g = 0.f, u = 0.f, ss = 0.f;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
-    uint4 gv[kMoeUnroll], uv[kMoeUnroll], xv[kMoeUnroll];
+  uint4 gv[kMoeUnroll], uv[kMoeUnroll], xv[kMoeUnroll];
+  auto load_trip = [&](int c0, uint4 (&g)[kMoeUnroll], uint4 (&u)[kMoeUnroll], uint4 (&xx)[kMoeUnroll]) {
 #pragma unroll
     for (int t = 0; t < kMoeUnroll; ++t) {
       const int c = c0 + 32 * t;
-      gv[t] = load16_stream_l2_256(gate + 8 * c, c < chunks);
-      uv[t] = load16_stream_l2_256(up + 8 * c, c < chunks);
-      xv[t] = load16_cached(xr + 8 * c, c < chunks);
+      g[t] = load16_stream_l2_256(gate + 8 * c, c < chunks);
+      u[t] = load16_stream_l2_256(up + 8 * c, c < chunks);
+      xx[t] = load16_cached(xr + 8 * c, c < chunks);
     }
+  };
+  load_trip(lane, gv, uv, xv);
+  float g = 0.f, u = 0.f, ss = 0.f;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
+    uint4 gn[kMoeUnroll], un[kMoeUnroll], xn[kMoeUnroll];
+    load_trip(c0 + 32 * kMoeUnroll, gn, un, xn);
 #pragma unroll
-    for (int t = 0; t < kMoeUnroll; ++t) {  // absent chunks are zeros: they add nothing
+    for (int t = 0; t < kMoeUnroll; ++t) {
       g = dot8(gv[t], xv[t], g);
       u = dot8(uv[t], xv[t], u);
       if constexpr (kRms) ss = squares8(xv[t], ss);
+      gv[t] = gn[t];
+      uv[t] = un[t];
+      xv[t] = xn[t];
     }
   }
   g = warp_reduce(g, Sum{});
@@ -178,10 +202,9 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
   }
 }
 
-// ---- moe_gemv_sum ----
-
 // grid (ceil(N / kMoeWarps), M): warp w of block (bx, m) computes output feature n = bx * kMoeWarps
-// + w of row m, over its k experts.
+// + w of row m, over its k experts: the trips of all k rows of weight in one pipelined walk, each
+// slot's dot product reduced as it completes and added in slot order.
 __global__ void __launch_bounds__(kMoeWarps * 32)
 moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
                     const __nv_bfloat16* __restrict__ w,  // [E, N, I]
@@ -198,28 +221,44 @@ moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
   }
   __syncthreads();
   const int n = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
-  if (n >= N) return;
+  if (n >= N) return;  // a whole warp
   bool bad = false;
   for (int s = 0; s < k; ++s) bad |= sm_id[s] < 0 || sm_id[s] >= E;
-  const int chunks = I / 8;
   float acc = 0.f;
   if (!bad) {
-    for (int s = 0; s < k; ++s) {
+    const int chunks = I / 8;
+    const int per_slot = (chunks + 32 * kMoeUnroll - 1) / (32 * kMoeUnroll);  // trips a slot
+    const int trips = k * per_slot;
+    auto load_trip = [&](int trip, uint4 (&wv)[kMoeUnroll], uint4 (&xv)[kMoeUnroll]) {
+      const bool live = trip < trips;
+      const int s = live ? trip / per_slot : 0;
+      const int c0 = lane + (trip - s * per_slot) * 32 * kMoeUnroll;
       const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
       const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
-      float d = 0.f;
-      for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
-        uint4 wv[kMoeUnroll], xv[kMoeUnroll];
 #pragma unroll
-        for (int t = 0; t < kMoeUnroll; ++t) {
-          const int c = c0 + 32 * t;
-          wv[t] = load16_stream_l2_256(wr + 8 * c, c < chunks);
-          xv[t] = load16_cached(xr + 8 * c, c < chunks);
-        }
-#pragma unroll
-        for (int t = 0; t < kMoeUnroll; ++t) d = dot8(wv[t], xv[t], d);
+      for (int t = 0; t < kMoeUnroll; ++t) {
+        const int c = c0 + 32 * t;
+        wv[t] = load16_stream_l2_256(wr + 8 * c, live && c < chunks);
+        xv[t] = load16_cached(xr + 8 * c, live && c < chunks);
       }
-      acc = __fmaf_rn(sm_w[s], warp_reduce(d, Sum{}), acc);
+    };
+    uint4 wv[kMoeUnroll], xv[kMoeUnroll];
+    load_trip(0, wv, xv);
+    float d = 0.f;
+    for (int trip = 0; trip < trips; ++trip) {
+      uint4 wn[kMoeUnroll], xn[kMoeUnroll];
+      load_trip(trip + 1, wn, xn);
+#pragma unroll
+      for (int t = 0; t < kMoeUnroll; ++t) {
+        d = dot8(wv[t], xv[t], d);
+        wv[t] = wn[t];
+        xv[t] = xn[t];
+      }
+      if ((trip + 1) % per_slot == 0) {  // slot s done: weights[m, s] times its dot product
+        const int s = trip / per_slot;
+        acc = __fadd_rn(acc, __fmul_rn(sm_w[s], warp_reduce(d, Sum{})));
+        d = 0.f;
+      }
     }
   }
   if (lane == 0) {
@@ -280,10 +319,13 @@ void moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob, at:
   DX_CHECK_DTYPE(weights, at::kFloat);
   DX_CHECK_SHAPE(weights, M, top_k);
   DX_CHECK_CONTIGUOUS(weights);
+  DX_CHECK(!spans_overlap(ids, logits) && !spans_overlap(weights, logits) && !spans_overlap(ids, weights),
+           "moe_route: ids, weights and logits must not overlap");
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
+  const auto kernel = E <= 128 ? moe_route_kernel<4> : E <= 256 ? moe_route_kernel<8> : moe_route_kernel<32>;
   const cudaError_t err = launch_pdl(
-      moe_route_kernel, dim3(static_cast<unsigned>(ceil_div(M, kRouteWarps))), dim3(kRouteWarps * 32), 0,
+      kernel, dim3(static_cast<unsigned>(ceil_div(M, kRouteWarps))), dim3(kRouteWarps * 32), 0,
       current_stream(), reinterpret_cast<const __nv_bfloat16*>(logits.data_ptr()), logits.stride(0),
       static_cast<int>(M), static_cast<int>(E), static_cast<int>(top_k), norm_topk_prob,
       ids.data_ptr<int>(), weights.data_ptr<float>());

@@ -228,10 +228,11 @@ def silu_mul(gate_up: torch.Tensor, rms_x: torch.Tensor | None = None,
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [M, E] -> (ids [M, top_k] int32, weights [M, top_k] fp32): the top_k largest logits of
     each row, descending, ties to the lower index (a stable sort), and their softmax probabilities
-    over all E, divided by the chosen ones' sum if norm_topk_prob (Qwen3-MoE's router). NaN logits
-    rank below every number in the choice."""
+    over all E, divided by the chosen ones' sum if norm_topk_prob (Qwen3-MoE's router). NaN counts as
+    -inf in the choice (and makes every weight of its row NaN, as softmax does)."""
     x = logits.float()
-    ids = torch.sort(torch.nan_to_num(x, nan=-math.inf), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    key = torch.where(torch.isnan(x), -math.inf, x)
+    ids = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = torch.softmax(x, dim=-1).gather(-1, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)

@@ -570,7 +570,7 @@ def test_refine_plans_keeps_only_real_gains():
     cuBLAS, and gemv8 is not tried again after that; the graph returned is the one captured with
     the plans kept, and every trial is recorded."""
     r = engine.CudaGraphRunner.__new__(engine.CudaGraphRunner)
-    r.plans, r.plan_refine_ms = engine.PLANS, {}
+    r.plans, r.plan_refine_ms, r.products = engine.PLANS, {}, engine.PRODUCTS
     r.linear_plan = {(16, name): "gemv8" if name == "lm_head" else "cublas" for name in engine.PRODUCTS}
     gains = {("o", "gemv"): 0.95, ("o", "gemv8"): 0.998, ("down", "gemv"): 1.2, ("lm_head", "gemv8"): 1.1}
 

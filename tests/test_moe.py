@@ -70,6 +70,17 @@ def test_moe_route_ties_nan_and_strided_rows():
     assert torch.equal(ids[2].cpu(), reference.moe_route(logits[2:], k, True)[0][0].cpu())
 
 
+@pytest.mark.gpu
+def test_moe_route_orders_signed_zeros_and_infinities():
+    """Every expert chosen (k = E): -0 and +0 tie, as do NaN and -inf (NaN counts as -inf), each
+    tie to the lower index."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, -0.0, nan, 0.0, -inf, 2.0, -inf, nan]], device="cuda").to(bf16)
+    ids, _ = _route(logits, 8, False)
+    assert ids[0].tolist() == [5, 0, 1, 3, 2, 4, 6, 7]
+    assert torch.equal(ids.cpu(), reference.moe_route(logits, 8, False)[0].cpu())
+
+
 def _experts(E, rows, K):
     return (torch.randn(E, rows, K, device="cuda") / K**0.5).to(bf16)
 
@@ -306,7 +317,8 @@ def test_moe_fake_tensor_mode():
 
 
 def test_reference_moe_route_cpu():
-    """Softmax over all experts, the top k by logit (ties to the lower index), renormalised."""
+    """Softmax over all experts, the top k by logit (ties to the lower index, NaN as -inf),
+    renormalised."""
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0, 0.5]])
     ids, w = reference.moe_route(logits, 3, False)
     assert ids.tolist() == [[1, 2, 0]] and ids.dtype == torch.int32
@@ -314,6 +326,9 @@ def test_reference_moe_route_cpu():
     torch.testing.assert_close(w[0], p[[1, 2, 0]])
     ids, w = reference.moe_route(logits, 3, True)
     torch.testing.assert_close(w[0], p[[1, 2, 0]] / p[[1, 2, 0]].sum())
+    nan, inf = float("nan"), float("inf")
+    ids, _ = reference.moe_route(torch.tensor([[1.0, -0.0, nan, 0.0, -inf, 2.0, -inf, nan]]), 8, False)
+    assert ids.tolist() == [[5, 0, 1, 3, 2, 4, 6, 7]]
 
 
 def test_reference_moe_equals_its_ops():
