@@ -1,5 +1,6 @@
-"""The Qwen2 / Qwen3 / Llama / Mistral decoder as one layer loop, with weights merged where a kernel
-reads them together (q|k|v rows in one matrix, gate|up rows in another), and a static KV cache.
+"""The Qwen2 / Qwen3 / Qwen3-MoE / Llama / Mistral decoder as one layer loop, with weights merged
+where a kernel reads them together (q|k|v rows in one matrix, gate|up rows in another, each
+expert's stacked), and a static KV cache.
 
 The weight of each layer's two RMSNorms is folded into the product after it (decodex.reference.
 fold_norm_weight: qkv_w's columns scaled by input_layernorm.weight, gate_up_w's by
@@ -13,9 +14,9 @@ Two paths run the same loop on the same tensors:
   kernels_missing): decodex.reference ops, fp32 math; the source of truth that the tests compare
   with transformers.
 - kernels (CUDA, eager, outside graphs; `model.use_kernels`): torch.ops.decodex.* where a kernel
-  exists (gemv / gemv_silu_mul for <= 8 rows, fused_add_rms_norm, rope_append, decode_attention,
-  silu_mul), cuBLAS
-  and SDPA for prefill GEMMs and attention. The CUDA-graph decode path lives in engine.py.
+  exists (gemv / gemv_silu_mul and the expert ops for <= 8 rows, fused_add_rms_norm, rope_append,
+  decode_attention, silu_mul, moe_route), cuBLAS and SDPA for prefill GEMMs and attention (a
+  prompt's expert products grouped by expert). The CUDA-graph decode path lives in engine.py.
 
 Shapes: T prompt tokens, B batch, M rows (T or B), Hd hidden, H query heads, Hkv KV heads,
 D head dim, I intermediate, V vocabulary, S cache capacity.
@@ -180,24 +181,51 @@ class _KernelOps:
         torch.ops.decodex.gemv_silu_mul(x, w, out, rms_eps=rms_eps)
         return out
 
-    @staticmethod
-    def moe(x, layer, top_k, norm_topk_prob, rms_eps=None):
+    @classmethod
+    def moe(cls, x, layer, top_k, norm_topk_prob, rms_eps=None):
         """The expert layer: up to 8 rows on the decode graph's kernels (router gemv, moe_route,
-        moe_gemv_silu_mul, moe_gemv_sum), more (a prompt) grouped by expert (reference.moe)."""
+        moe_gemv_silu_mul, moe_gemv_sum); more (a prompt) routed by moe_route on a cuBLAS router
+        product, then cuBLAS products grouped by expert (_moe_grouped)."""
         M = x.shape[0]
-        if M > GEMV_MAX_ROWS:
-            return _ReferenceOps.moe(x, layer, top_k, norm_topk_prob, rms_eps)
         ops, (E, Hd) = torch.ops.decodex, layer.router_w.shape
-        logits = torch.empty(M, E, dtype=x.dtype, device=x.device)
-        ops.gemv(x, layer.router_w, None, logits, rms_eps=rms_eps)
         ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
         weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+        if M > GEMV_MAX_ROWS:
+            h = x if rms_eps is None else cls._normed(x, rms_eps)
+            ops.moe_route(F.linear(h, layer.router_w), top_k, norm_topk_prob, ids, weights)
+            return cls._moe_grouped(h, layer, ids, weights)
+        logits = torch.empty(M, E, dtype=x.dtype, device=x.device)
+        ops.gemv(x, layer.router_w, None, logits, rms_eps=rms_eps)
         ops.moe_route(logits, top_k, norm_topk_prob, ids, weights)
         act = torch.empty(M, top_k, layer.experts_down.shape[2], dtype=x.dtype, device=x.device)
         ops.moe_gemv_silu_mul(x, layer.experts_gate_up, ids, act, rms_eps=rms_eps)
         out = torch.empty(M, Hd, dtype=x.dtype, device=x.device)
         ops.moe_gemv_sum(act, layer.experts_down, ids, weights, out)
         return out
+
+    @classmethod
+    def _moe_grouped(cls, h, layer, ids, weights):
+        """Many rows h [M, Hd] (normalised) with their choice ids / weights [M, k]: the (row, slot)
+        pairs sorted by expert, each expert's rows through its gate|up and down products (cuBLAS)
+        and silu_mul, the results weighted and added per row in fp32. One host read a layer (how
+        many rows each expert got)."""
+        M, k = ids.shape
+        flat = ids.flatten().long()
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, rows in order within
+        counts = torch.bincount(flat, minlength=layer.router_w.shape[0]).tolist()
+        rows = order // k
+        xs = h.index_select(0, rows)  # [M k, Hd]
+        ys = torch.empty(M * k, h.shape[1], dtype=h.dtype, device=h.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                seg = slice(start, start + count)
+                ys[seg] = F.linear(cls.silu_mul(F.linear(xs[seg], layer.experts_gate_up[e])),
+                                   layer.experts_down[e])
+                start += count
+        out = torch.zeros(M, h.shape[1], dtype=torch.float32, device=h.device)
+        out.index_add_(0, rows, ys.float() * weights.flatten()[order, None])
+        return out.to(h.dtype)
 
 
 class Model:
