@@ -94,7 +94,8 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K
 // (batches 2 to 4, which share the entry, were not timed with it). The wide ones are the best of
 // `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
-// cost model, which sees no x traffic, was up to 2.7x slower. Other shapes use the cost model.
+// cost model, which sees no x traffic, was up to 2.7x slower. The 8B entries at the end were chosen
+// alone (see there). Other shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
@@ -115,6 +116,19 @@ constexpr TunedShape kTuned[] = {
     {37888, 3584, {1, 8, 1, 8}, {1, 4, 1, 4}, {1, 4, 1, 4}, {1, 3, 1, 4}, {1, 4, 1, 4}}, // gate|up
     {3584, 18944, {1, 5, 8, 8}, {1, 2, 4, 4}, {4, 2, 4, 4}, {2, 2, 4, 4}, {1, 4, 2, 4}}, // down
     {152064, 3584, {1, 5, 1, 8}, {1, 8, 1, 8}, {2, 2, 1, 4}, {4, 2, 1, 4}, {4, 2, 1, 4}},  // lm_head
+    // Llama-3.1-8B and Qwen3-8B (hidden 4096; q, o, k, v and qkv shared): their M <= 4 entries are
+    // the fastest alone (L2-cold, prefetch_weight: `python -m bench.gemv --sweep --models
+    // llama3.1-8b,qwen3-8b --ms 1`, session 36), where the cost model's were up to 51% slower
+    // (gate|up 28672x4096: 83.2 against 55.0 us); not yet swept inside the step. The rest: the model.
+    {4096, 4096, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},       // q, o
+    {1024, 4096, {1, 5, 2, 8}, kModel, kModel, kModel, kModel},       // k, v
+    {6144, 4096, {1, 8, 1, 4}, kModel, kModel, kModel, kModel},       // qkv
+    {28672, 4096, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},      // Llama-3.1-8B gate|up
+    {4096, 14336, {1, 7, 1, 8}, kModel, kModel, kModel, kModel},      // Llama-3.1-8B down
+    {128256, 4096, {2, 4, 2, 8}, kModel, kModel, kModel, kModel},     // Llama-3.1-8B lm_head
+    {24576, 4096, {2, 4, 1, 8}, kModel, kModel, kModel, kModel},      // Qwen3-8B gate|up
+    {4096, 12288, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},      // Qwen3-8B down
+    {151936, 4096, {2, 4, 2, 8}, kModel, kModel, kModel, kModel},     // Qwen3-8B lm_head
 };
 
 GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {

@@ -15,15 +15,15 @@
 // Idea. A decode row reads only its k experts' weights, and which they are is known only on the
 // device: the expert kernels read the ids after their programmatic-dependent-launch wait and index
 // the stacked weights with them, so the step has no host sync and one CUDA graph serves every
-// routing. moe_gemv_silu_mul: a warp computes one feature of one (row, slot) (its gate and up
-// rows). moe_gemv_sum: a block computes one output feature of one row, its warps one expert each,
-// and the weighted sum is added in slot order in the block (no second pass, a fixed order). Lanes
-// stride over the inner dim in 16-byte loads, software-pipelined (the next kMoeUnroll chunks of a
-// row issued before the current ones are used), and their sums meet in a shuffle reduction. An
-// expert chosen by several rows is read once per (row, slot): at the few rows of a decode step
-// that costs little (mostly L2 hits); prompts (many rows) take grouped GEMMs instead
-// (decodex/model.py). The weights' first bytes cannot be loaded before the wait, as the GEMVs do
-// (prefetch_weight): which expert to read is what the kernel ahead writes.
+// routing. A warp computes one output: moe_gemv_silu_mul one feature of one (row, slot) (its gate
+// and up rows), moe_gemv_sum one output feature of one row over all k experts, so the weighted sum
+// needs no second pass and is added in one fixed order. Lanes stride over the inner dim in 16-byte
+// loads, software-pipelined (the next kMoeUnroll chunks of a row issued before the current ones are
+// used), and their sums meet in a shuffle reduction. An expert chosen by several rows is read once
+// per (row, slot): at the few rows of a decode step that costs little (mostly L2 hits); prompts
+// (many rows) take grouped GEMMs instead (decodex/model.py). The weights' first bytes cannot be
+// loaded before the wait, as the GEMVs do (prefetch_weight): which expert to read is what the
+// kernel ahead writes.
 // Ids outside [0, E) are never dereferenced: their outputs are NaN.
 #include "common.h"
 #include "ops.h"
@@ -35,7 +35,7 @@ namespace {
 
 constexpr int kMoeWarps = 8;             // warps (outputs) per block of the expert kernels
 constexpr int kMoeUnroll = 4;            // 16-byte chunks per weight row a lane loads per trip
-constexpr int kMoeMaxTopK = 32;          // k: moe_gemv_sum keeps a row's ids and terms in smem
+constexpr int kMoeMaxTopK = 32;          // k: moe_gemv_sum keeps a row's ids and weights in smem
 constexpr int kRouteWarps = 4;           // moe_route: rows per block, one warp each
 constexpr int kRouteMaxExperts = 1024;   // 32 logits a lane
 
@@ -202,10 +202,11 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
   }
 }
 
-// grid (N, M): block (n, m) computes output feature n of row m; its warp w takes the slots w, w +
-// kMoeWarps, ... (a dot product of expert ids[m, s]'s row n with x[m, s] each), and thread 0 adds
-// weights[m, s] * dot in slot order. (One warp per output over all k slots kept too few loads in
-// flight: 56% of the bandwidth at Qwen3-30B-A3B's shape.)
+// grid (ceil(N / kMoeWarps), M): warp w of block (bx, m) computes output feature n = bx * kMoeWarps
+// + w of row m, over its k experts: the trips of all k rows of weight in one pipelined walk, each
+// slot's dot product reduced as it completes and added in slot order. (A block per output feature,
+// a warp per expert, was slower on the H200: 12.8 against 10.2 us at Qwen3-30B-A3B's shape, M = 1;
+// bench/RESULTS.md, session 36.)
 __global__ void __launch_bounds__(kMoeWarps * 32)
 moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
                     const __nv_bfloat16* __restrict__ w,  // [E, N, I]
@@ -214,44 +215,55 @@ moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
                     __nv_bfloat16* __restrict__ out, int64_t out_stride) {  // [M, N]
   pdl_begin();
   __shared__ int sm_id[kMoeMaxTopK];
-  __shared__ float sm_term[kMoeMaxTopK];  // weights[m, s] * dot of slot s
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n = blockIdx.x, m = blockIdx.y;
-  if (threadIdx.x < k) sm_id[threadIdx.x] = ids[m * k + threadIdx.x];
+  __shared__ float sm_w[kMoeMaxTopK];
+  const int lane = threadIdx.x & 31, m = blockIdx.y;
+  if (threadIdx.x < k) {
+    sm_id[threadIdx.x] = ids[m * k + threadIdx.x];
+    sm_w[threadIdx.x] = weights[m * k + threadIdx.x];
+  }
   __syncthreads();
+  const int n = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
+  if (n >= N) return;  // a whole warp
   bool bad = false;
   for (int s = 0; s < k; ++s) bad |= sm_id[s] < 0 || sm_id[s] >= E;
-  const int chunks = I / 8;
-  for (int s = warp; s < k && !bad; s += kMoeWarps) {  // warp-uniform
-    const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
-    const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
-    auto load_trip = [&](int c0, uint4 (&wv)[kMoeUnroll], uint4 (&xv)[kMoeUnroll]) {
+  float acc = 0.f;
+  if (!bad) {
+    const int chunks = I / 8;
+    const int per_slot = (chunks + 32 * kMoeUnroll - 1) / (32 * kMoeUnroll);  // trips a slot
+    const int trips = k * per_slot;
+    auto load_trip = [&](int trip, uint4 (&wv)[kMoeUnroll], uint4 (&xv)[kMoeUnroll]) {
+      const bool live = trip < trips;
+      const int s = live ? trip / per_slot : 0;
+      const int c0 = lane + (trip - s * per_slot) * 32 * kMoeUnroll;
+      const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
+      const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
 #pragma unroll
       for (int t = 0; t < kMoeUnroll; ++t) {
         const int c = c0 + 32 * t;
-        wv[t] = load16_stream_l2_256(wr + 8 * c, c < chunks);
-        xv[t] = load16_cached(xr + 8 * c, c < chunks);
+        wv[t] = load16_stream_l2_256(wr + 8 * c, live && c < chunks);
+        xv[t] = load16_cached(xr + 8 * c, live && c < chunks);
       }
     };
     uint4 wv[kMoeUnroll], xv[kMoeUnroll];
-    load_trip(lane, wv, xv);
+    load_trip(0, wv, xv);
     float d = 0.f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kMoeUnroll) {
+    for (int trip = 0; trip < trips; ++trip) {
       uint4 wn[kMoeUnroll], xn[kMoeUnroll];
-      load_trip(c0 + 32 * kMoeUnroll, wn, xn);
+      load_trip(trip + 1, wn, xn);
 #pragma unroll
       for (int t = 0; t < kMoeUnroll; ++t) {
         d = dot8(wv[t], xv[t], d);
         wv[t] = wn[t];
         xv[t] = xn[t];
       }
+      if ((trip + 1) % per_slot == 0) {  // slot s done: weights[m, s] times its dot product
+        const int s = trip / per_slot;
+        acc = __fadd_rn(acc, __fmul_rn(sm_w[s], warp_reduce(d, Sum{})));
+        d = 0.f;
+      }
     }
-    d = warp_reduce(d, Sum{});
-    if (lane == 0) sm_term[s] = __fmul_rn(weights[m * k + s], d);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float acc = 0.f;
-    for (int s = 0; s < k && !bad; ++s) acc = __fadd_rn(acc, sm_term[s]);
+  if (lane == 0) {
     __nv_bfloat16* o = out + m * out_stride + n;
     const __nv_bfloat16 y = __float2bfloat16_rn(bad ? NAN : acc);
     *o = accumulate ? __float2bfloat16_rn(__fadd_rn(__bfloat162float(*o), __bfloat162float(y))) : y;
@@ -397,7 +409,7 @@ void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
            "moe_gemv_sum: out must not overlap x, weight, ids or weights");
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(M));
+  const dim3 grid(static_cast<unsigned>(ceil_div(N, kMoeWarps)), static_cast<unsigned>(M));
   const cudaError_t err = launch_pdl(
       moe_gemv_sum_kernel, grid, dim3(kMoeWarps * 32), 0, current_stream(),
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
