@@ -86,6 +86,15 @@ def fused_row(label: str, nbytes: int, bw_gbs: float, sets: list, fused, unfused
     return [label, nbytes / 1e6, t[0], t[1], t[2], gbs, 100 * gbs / bw_gbs, t[1] / t[0], t[2] / t[0]]
 
 
+def expected_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts `rows` rows read when each chooses top_k of num_experts uniformly (without
+    repeats in a row): top_k for one row, E (1 - (1 - k/E)^rows) for more (bench.moe, and the floor
+    of a mixture of experts' step in bench.decode)."""
+    if rows == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
 def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device bandwidth ceiling in GB/s, measured now: the better of a large device-to-device copy
     (bytes read + written) and a large read-only reduction. Both are L2-cold at this size."""

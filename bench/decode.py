@@ -48,7 +48,7 @@ from collections.abc import Mapping
 
 import torch
 
-from bench.common import print_table, read_bandwidth_gbs
+from bench.common import expected_experts, print_table, read_bandwidth_gbs
 from decodex.engine import event_time_ms
 from decodex.model import GEMV_MAX_ROWS
 
@@ -171,9 +171,8 @@ def weight_bytes(model, batch: int = 1) -> float:
             if t is not None:
                 total += t.numel()
         if layer.router_w is not None:
-            E, k = c.num_experts, c.num_experts_per_tok
-            experts = k if batch == 1 else E * (1.0 - (1.0 - k / E) ** batch)
-            total += experts * (layer.experts_gate_up[0].numel() + layer.experts_down[0].numel())
+            total += expected_experts(c.num_experts, c.num_experts_per_tok, batch) * (
+                layer.experts_gate_up[0].numel() + layer.experts_down[0].numel())
     return 2 * total
 
 

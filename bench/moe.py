@@ -3,11 +3,12 @@ against the torch composition that keeps the expert choice on the device (index_
 chosen experts' weights, then bmm), at Qwen3-30B-A3B's expert shapes (128 experts, 8 a token,
 moe_intermediate_size 768, hidden 2048), M = 1, 2, 4, 8 rows.
 
-Timing: one layer's stacked expert weights (gate|up 805 MB, down 403 MB), and per call an input set
-of its own (x, a fresh random choice of 8 distinct experts per row, out): the sets of a graph read
-different experts, so the calls are L2-cold in practice (bench.common.time_graph). Bytes moved: the
-distinct experts the set's rows chose, plus x and out; % is of the read bandwidth measured in the
-same run. moe_route itself reads 256 bytes a row (bench.argmax's shape class: latency).
+Timing: bench.common.compare_row (input sets rotated in one CUDA graph), each set with its own x,
+out and a fresh random choice of 8 distinct experts per row, all sets sharing one layer's stacked
+expert weights (gate|up 805 MB, down 403 MB): the sets read different experts, so the calls are
+L2-cold in practice. Bytes moved: the distinct experts M uniformly routed rows read in expectation
+(bench.common.expected_experts), plus x and out; % is of the read bandwidth measured in the same
+run. moe_route itself reads 256 bytes a row (bench.argmax's shape class: latency).
 
     python -m bench.moe
 """
@@ -16,11 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_main, time_graph
+from bench.common import bench_main, compare_row, expected_experts
 
 E, TOP_K, I, HIDDEN = 128, 8, 768, 2048  # Qwen3-30B-A3B
 MS = [1, 2, 4, 8]
-SETS = 32  # input sets per graph (different experts each)
 TITLE = "moe expert GEMVs: decodex vs torch (index_select + bmm), Qwen3-30B-A3B shapes, L2-cold, CUDA graph, median"
 HEADERS = ["op", "decodex us", "torch us", "GB/s", "% of bw", "speedup"]
 
@@ -40,13 +40,6 @@ def _sum_torch(act, w, ids, weights, out):
     out.copy_((y.view(*ids.shape, -1).float() * weights[:, :, None]).sum(1))
 
 
-def _row(label, nbytes, bw, ours, base, sets):
-    t_ours = time_graph([lambda s=s: ours(*s) for s in sets])
-    t_base = time_graph([lambda s=s: base(*s) for s in sets])
-    gbs = nbytes / t_ours / 1e3
-    return [label, t_ours, t_base, gbs, 100 * gbs / bw, t_base / t_ours]
-
-
 def rows(bandwidth_gbs: float) -> list[list]:
     import decodex  # noqa: F401
 
@@ -56,17 +49,18 @@ def rows(bandwidth_gbs: float) -> list[list]:
     ops = torch.ops.decodex
     out = []
     for M in MS:
-        sets = [(torch.randn(M, HIDDEN, **bf), gate_up, _ids(M), torch.empty(M, TOP_K, I, **bf)) for _ in range(SETS)]
-        experts = sum(len(set(s[2].flatten().tolist())) for s in sets) / SETS  # distinct a call, mean
-        nbytes = 2 * (experts * 2 * I * HIDDEN + M * HIDDEN + M * TOP_K * I)
-        out.append(_row(f"moe_gemv_silu_mul M={M} ({experts:.1f} experts)", nbytes, bandwidth_gbs,
-                        lambda x, w, ids, o: ops.moe_gemv_silu_mul(x, w, ids, o), _silu_torch, sets))
-        sets = [(torch.randn(M, TOP_K, I, **bf), down, _ids(M), torch.rand(M, TOP_K, device="cuda"),
-                 torch.empty(M, HIDDEN, **bf)) for _ in range(SETS)]
-        experts = sum(len(set(s[2].flatten().tolist())) for s in sets) / SETS
-        nbytes = 2 * (experts * HIDDEN * I + M * TOP_K * I + M * HIDDEN)
-        out.append(_row(f"moe_gemv_sum M={M} ({experts:.1f} experts)", nbytes, bandwidth_gbs,
-                        lambda a, w, ids, wt, o: ops.moe_gemv_sum(a, w, ids, wt, o), _sum_torch, sets))
+        experts = expected_experts(E, TOP_K, M)
+        out.append(compare_row(
+            f"moe_gemv_silu_mul M={M} ({experts:.1f} experts)",
+            2 * (experts * 2 * I * HIDDEN + M * HIDDEN + M * TOP_K * I), bandwidth_gbs,
+            lambda M=M: (torch.randn(M, HIDDEN, **bf), gate_up, _ids(M), torch.empty(M, TOP_K, I, **bf)),
+            lambda x, w, ids, o: ops.moe_gemv_silu_mul(x, w, ids, o), _silu_torch))
+        out.append(compare_row(
+            f"moe_gemv_sum M={M} ({experts:.1f} experts)",
+            2 * (experts * HIDDEN * I + M * TOP_K * I + M * HIDDEN), bandwidth_gbs,
+            lambda M=M: (torch.randn(M, TOP_K, I, **bf), down, _ids(M), torch.rand(M, TOP_K, device="cuda"),
+                         torch.empty(M, HIDDEN, **bf)),
+            lambda a, w, ids, wt, o: ops.moe_gemv_sum(a, w, ids, wt, o), _sum_torch))
     return out
 
 

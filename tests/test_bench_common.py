@@ -1,5 +1,7 @@
 """The benchmark harness's arithmetic, which needs no GPU: how many input sets make a stack L2-cold,
 what a table row holds, and how the table prints. (The timing itself runs on the GPU only.)"""
+import pytest
+
 import bench.common as bc
 
 
@@ -47,3 +49,11 @@ def test_print_table(tmp_path, capsys):
     assert "### title" in text and "|  1.23 |  x |" in text and "| 123.4 | yy |" in text
     assert out.read_text().startswith("### title")
     assert "### title" in capsys.readouterr().out
+
+
+def test_expected_experts():
+    """One row reads its k experts; many rows approach all E; two rows of 8 of 128 share 0.5 in
+    expectation (8 * 8 / 128)."""
+    assert bc.expected_experts(128, 8, 1) == 8.0
+    assert bc.expected_experts(128, 8, 2) == pytest.approx(16 - 0.5)
+    assert 127 < bc.expected_experts(128, 8, 1000) <= 128

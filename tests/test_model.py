@@ -443,7 +443,7 @@ def test_moe_kernel_path_matches_reference(monkeypatch, prompt_len):
     caches = [m.new_cache(batch=2, capacity=capacity) for m in (fp32, bf16, gpu)]
     got, want, base = routing.run(lambda: gpu.prefill(ids.cuda(), caches[2], 1),
                                   lambda: fp32.prefill(ids, caches[0], 1), lambda: bf16.prefill(ids, caches[1], 1))
-    tol = _check_step(f"moe prefill (T={prompt_len})", got, base, want)
+    _check_step(f"moe prefill (T={prompt_len})", got, base, want)
     for step in range(GPU_DECODE_STEPS):
         pos = prompt_len + step
         tokens = torch.full((2,), int(want[-1].argmax()))
@@ -452,7 +452,7 @@ def test_moe_kernel_path_matches_reference(monkeypatch, prompt_len):
                                       lambda: fp32.decode(tokens, positions, caches[0]),
                                       lambda: bf16.decode(tokens, positions, caches[1]))
         want, base, got = want[1:], base[1:], got[1:]
-        tol = _check_step(f"moe decode step {step} (position {pos})", got, base, want)
+        _check_step(f"moe decode step {step} (position {pos})", got, base, want)
     # The shared choice was fp32's own but for near-ties: its logits then within bf16's error of it.
     near = [g for g in routing.gaps if g > 0]
     assert max(routing.gaps) < 0.1, f"the kernels chose experts fp32 ranks well below its own: gaps {near}"
