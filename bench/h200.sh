@@ -34,16 +34,18 @@ if has sanitize; then
   # file cut into shards (`pytest --shard K/N`, tests/conftest.py) that run SANITIZE_JOBS processes
   # at a time, longest first. SANITIZE_SHARDS lists file:memcheck shards:racecheck shards (a count
   # of 0 leaves the file out: lt_linear is cuBLASLt's, so memcheck only). A shard's log is
-  # $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit. Measured on the H200 (bench/RESULTS.md,
-  # session 33): memcheck over every file takes 43 s with 15 jobs; racecheck processes slow one another down on
-  # the one GPU (15 at once: rms_norm ran 19 of its 84 cases in 520 s), so the whole suite under
-  # racecheck takes more than one device call: run it a few files at a time (e.g. SANITIZE_SHARDS="decode_attention:0:12").
+  # $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit. Racecheck instruments decodex's kernels only
+  # (--kernel-name kns=decodex): the tests' torch and cuBLAS kernels run unchecked, which took it from
+  # 19 of rms_norm's 84 cases in 520 s (15 processes at once) to all 85 in 39 s (18 at once; bench/RESULTS.md,
+  # sessions 33 and 37).
+  # Memcheck checks every kernel: over every file it takes 43 s with 15 jobs (session 33).
   read -ra SHARDS <<< "${SANITIZE_SHARDS:-decode_attention:4:12 sample:1:6 gemv:2:8 rope_append_attention:2:4
     gemv_silu_mul:1:6 lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:2 rope_append:1:2 silu_mul:1:1
-    argmax:1:1 advance_positions:1:1}"
+    argmax:1:1 advance_positions:1:1 moe:1:2}"
   run_shard() {  # run_shard TOOL FILE K N
     local log="$OUT/sanitize_$1_$2_$3of$4.log"
-    DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" --error-exitcode 1 \
+    local only=(); [ "$1" = racecheck ] && only=(--kernel-name kns=decodex)
+    DECODEX_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$1" "${only[@]}" --error-exitcode 1 \
       python3 -m pytest -q -p no:cacheprovider -m gpu "tests/test_$2.py" --shard "$3/$4" > "$log" 2>&1
     echo "exit $?" >> "$log"
   }
