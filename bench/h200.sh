@@ -36,9 +36,9 @@ if has sanitize; then
   # of 0 leaves the file out: lt_linear is cuBLASLt's, so memcheck only). A shard's log is
   # $OUT/sanitize_TOOL_FILE_KofN.log, ending in its exit. Racecheck instruments decodex's kernels only
   # (--kernel-name kns=decodex): the tests' torch and cuBLAS kernels run unchecked, which took it from
-  # 19 of rms_norm's 84 cases in 520 s (15 processes at once) to all 85 in 39 s (18 at once; bench/RESULTS.md,
-  # sessions 33 and 37).
-  # Memcheck checks every kernel: over every file it takes 43 s with 15 jobs (session 33).
+  # 19 of rms_norm's 84 cases in 520 s (15 processes at once, H200) to all 85 in 39 s (18 at once, an
+  # H100; bench/RESULTS.md, sessions 33 and 37). Memcheck checks every kernel: over every file it
+  # takes 43 s with 15 jobs (session 33).
   read -ra SHARDS <<< "${SANITIZE_SHARDS:-decode_attention:4:12 sample:1:6 gemv:2:8 rope_append_attention:2:4
     gemv_silu_mul:1:6 lt_linear:1:0 gemv_rope_append:1:1 rms_norm:1:2 rope_append:1:2 silu_mul:1:1
     argmax:1:1 advance_positions:1:1 moe:1:2}"
