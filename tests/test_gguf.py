@@ -12,7 +12,7 @@ import torch
 
 from _smollm import cache_root, hf_gguf_args, require_gguf, smollm_dir
 from decodex import gguf as dgguf
-from helpers import YARN_SCALING, make_tiny_checkpoint
+from helpers import MOE_TINY, YARN_SCALING, make_tiny_checkpoint
 
 # Chat prompts for the greedy comparison: answers longer than 32 tokens, so EOS does not end them.
 GREEDY_CHATS = [
@@ -302,12 +302,19 @@ def test_gguf_path_not_a_file(tmp_path):
         dgguf.convert_gguf(tmp_path, tmp_path / "out", progress=False)
 
 
-def _gguf_from_hf(path, hf, arch):
+def _gguf_from_hf(path, hf, arch, checkpoint=None, floats=None):
     """`hf` (a tiny transformers model) written as llama.cpp's converter writes architecture `arch`:
-    llama.cpp's tensor names, Q and K rows (and biases) permuted for llama only, fp32 data."""
+    llama.cpp's tensor names, Q and K rows (and biases) permuted for llama only, fp32 data. For
+    qwen3moe the tensors come from the saved `checkpoint` directory (one tensor per expert, as on
+    disk), each layer's experts stacked into one tensor per projection [E, rows, cols]. `floats`: more
+    float32 metadata."""
     gguf = pytest.importorskip("gguf")
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen3moe":
+        for key, value in (("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
+                           ("expert_feed_forward_length", c.moe_intermediate_size)):
+            w.add_uint32(f"{arch}.{key}", value)
     for key, value in (("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("block_count", c.num_hidden_layers), ("attention.head_count", c.num_attention_heads),
                        ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", c.head_dim),
@@ -315,6 +322,8 @@ def _gguf_from_hf(path, hf, arch):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    for key, value in (floats or {}).items():
+        w.add_float32(key, value)
     if c.rope_parameters.get("rope_type") == "yarn":
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", c.rope_parameters["factor"])
@@ -327,7 +336,16 @@ def _gguf_from_hf(path, hf, arch):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     gguf_names = {hf_name: name for name, hf_name in dgguf._HF_NAMES.items()}
-    for name, p in hf.state_dict().items():
+    state = hf.state_dict()
+    if checkpoint is not None:
+        from safetensors.torch import load_file
+        state = load_file(os.path.join(checkpoint, "model.safetensors"))
+        for i in range(c.num_hidden_layers):
+            for short, pattern in dgguf._EXPERT_NAMES.items():
+                names = [pattern.format(i=i, e=e) for e in range(c.num_experts)]
+                w.add_tensor(short.format(i=i), np.ascontiguousarray(
+                    torch.stack([state.pop(n) for n in names]).float().numpy()))
+    for name, p in state.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         i = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -346,20 +364,26 @@ def _gguf_from_hf(path, hf, arch):
 
 # head_dim: transformers' GGUF loader reads no attention.key_length; it takes hidden / heads (16 here)
 # for llama and qwen2, and Qwen3Config's default (128) for qwen3.
+# qwen3moe: transformers' GGUF loader reads no expert_feed_forward_length and leaves norm_topk_prob
+# at its default (False), where llama.cpp always renormalises, so the file is checked against
+# llama.cpp's tensor layout (dgguf._EXPERT_NAMES, _ARCHITECTURES) and decodex's logits against the
+# checkpoint's, not through that loader.
 @pytest.mark.parametrize("arch, overrides", [("llama", dict(attention_bias=True, head_dim=16)),
                                              ("qwen2", dict(head_dim=16)),
                                              ("qwen3", dict(tied=True, head_dim=128)),
-                                             ("qwen2", dict(head_dim=16, rope_scaling=YARN_SCALING))])
+                                             ("qwen2", dict(head_dim=16, rope_scaling=YARN_SCALING)),
+                                             ("qwen3moe", MOE_TINY)])
 def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
     """A tiny model of each architecture, written as a GGUF, converted and loaded by decodex, gives
     transformers' logits (bf16 weights both ways, fp32 math), and transformers' own GGUF loader reads
     the same weights from the file (so the file follows llama.cpp's conventions, not just ours)."""
     from decodex.loader import load_model
-    _, hf = make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **overrides)
-    path = _gguf_from_hf(tmp_path / f"{arch}.gguf", hf, arch)
+    model_type = dgguf._ARCHITECTURES[arch][0]
+    checkpoint, hf = make_tiny_checkpoint(tmp_path, model_type, dtype=torch.bfloat16, **overrides)
+    path = _gguf_from_hf(tmp_path / f"{arch}.gguf", hf, arch, checkpoint if arch == "qwen3moe" else None)
     out = dgguf.convert_gguf(path, tmp_path / "out", progress=False)
     with open(out / "config.json") as f:
-        assert json.load(f)["model_type"] == arch
+        assert json.load(f)["model_type"] == model_type
     model = load_model(out, device="cpu", dtype=torch.float32, quiet=True)
     assert model.config.rope_scaling == (None if "rope_scaling" not in overrides else
                                          dict(YARN_SCALING, truncate=True))
@@ -368,6 +392,10 @@ def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
     with torch.no_grad():
         want = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    if arch == "qwen3moe":  # see above
+        assert (model.config.num_experts, model.config.num_experts_per_tok, model.config.moe_intermediate_size,
+                model.config.norm_topk_prob) == (8, 2, 48, True)
+        return
 
     from transformers import AutoModelForCausalLM
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
@@ -462,3 +490,21 @@ def test_gguf_rope_scaling_other_than_yarn_is_refused(tmp_path):
     _tiny_gguf(path, strings={"llama.rope.scaling.type": "linear"})
     with pytest.raises(LoadError, match="llama.rope.scaling.type = 'linear' is not supported"):
         dgguf.convert_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_qwen3moe_gguf_layout_and_refusals(tmp_path):
+    """The stacked experts have the dims llama.cpp's qwen3moe loader asks for (innermost first:
+    gate/up {hidden, I, E}, down {I, hidden, E}, the router {hidden, E}); routing weights scaled by
+    expert_weights_scale, which decodex does not do, are refused rather than dropped."""
+    gguf = pytest.importorskip("gguf")
+    from decodex.config import LoadError
+    checkpoint, hf = make_tiny_checkpoint(tmp_path, "qwen3_moe", dtype=torch.bfloat16, **MOE_TINY)
+    H, I, E = hf.config.hidden_size, MOE_TINY["moe_intermediate_size"], MOE_TINY["num_experts"]
+    path = _gguf_from_hf(tmp_path / "moe.gguf", hf, "qwen3moe", checkpoint)
+    dims = {t.name: [int(d) for d in t.shape] for t in gguf.GGUFReader(str(path)).tensors}
+    assert dims["blk.1.ffn_gate_exps.weight"] == dims["blk.1.ffn_up_exps.weight"] == [H, I, E]
+    assert dims["blk.1.ffn_down_exps.weight"] == [I, H, E] and dims["blk.1.ffn_gate_inp.weight"] == [H, E]
+    scaled = _gguf_from_hf(tmp_path / "scaled.gguf", hf, "qwen3moe", checkpoint,
+                           floats={"qwen3moe.expert_weights_scale": 2.5})
+    with pytest.raises(LoadError, match="qwen3moe.expert_weights_scale = 2.5 is not supported"):
+        dgguf.convert_gguf(scaled, tmp_path / "out", progress=False)
