@@ -1,10 +1,11 @@
 """GGUF -> Hugging Face directory conversion, and the default model decodex runs when given none.
 
 A GGUF (llama.cpp's single-file format) of architecture llama (Llama, Mistral, SmolLM2), qwen2,
-qwen3 or qwen3moe becomes a directory decodex's loader (and transformers) reads: config.json from the metadata,
-model.safetensors in bf16 (each tensor dequantized with the `gguf` package), tokenizer.json rebuilt
-from the stored vocabulary (byte-level BPE, or SentencePiece BPE with merges from the scores),
-tokenizer_config.json with the chat template and special tokens, generation_config.json.
+qwen3 or qwen3moe becomes a directory decodex's loader (and transformers) reads: config.json from
+the metadata, model.safetensors in bf16 (each tensor dequantized with the `gguf` package),
+tokenizer.json rebuilt from the stored vocabulary (byte-level BPE, or SentencePiece BPE with merges
+from the scores), tokenizer_config.json with the chat template and special tokens,
+generation_config.json.
 
 Two things llama.cpp changes on the way in, and that are undone here:
 - For llama only, Q and K rows (weights and biases) are permuted so that RoPE rotates interleaved
@@ -363,8 +364,10 @@ def _moe_config(meta: dict, key) -> dict:
     expert_feed_forward_length or else feed_forward_length / expert_used_count."""
     arch = meta["general.architecture"]
     experts, used = int(key("expert_count")), int(key("expert_used_count"))
-    size = meta.get(f"{arch}.expert_feed_forward_length")
-    size = int(key("expert_feed_forward_length")) if size is not None else int(key("feed_forward_length")) // used
+    if meta.get(f"{arch}.expert_feed_forward_length") is not None:
+        size = int(key("expert_feed_forward_length"))
+    else:
+        size = int(key("feed_forward_length")) // used
     if size < 1:
         raise ValueError(f"GGUF metadata {arch}.feed_forward_length is below expert_used_count = {used}, "
                          "and expert_feed_forward_length is missing")
@@ -412,8 +415,8 @@ def _require_file(gguf_path: Path) -> None:
 
 
 def convert_gguf(gguf_path, out_dir, progress: bool = True) -> Path:
-    """Converts a llama, qwen2, qwen3 or qwen3moe GGUF file into an HF-format directory `out_dir` (created;
-    files in it are overwritten). Returns the directory. Progress goes to stderr."""
+    """Converts a llama, qwen2, qwen3 or qwen3moe GGUF file into an HF-format directory `out_dir`
+    (created; files in it are overwritten). Returns the directory. Progress goes to stderr."""
     import gguf
     import torch
     from safetensors.torch import save_file

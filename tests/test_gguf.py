@@ -393,8 +393,8 @@ def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
         want = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     if arch == "qwen3moe":  # see above
-        assert (model.config.num_experts, model.config.num_experts_per_tok, model.config.moe_intermediate_size,
-                model.config.norm_topk_prob) == (8, 2, 48, True)
+        c = model.config
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (8, 2, 48, True)
         return
 
     from transformers import AutoModelForCausalLM
