@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(func=_chat)
 
     c = sub.add_parser("convert-gguf",
-                       help="convert a llama, qwen2 or qwen3 GGUF file into a Hugging Face directory")
+                       help="convert a llama, qwen2, qwen3 or qwen3moe GGUF file into a Hugging Face directory")
     c.add_argument("gguf", metavar="IN.gguf")
     c.add_argument("out_dir", metavar="OUT_DIR")
     c.set_defaults(func=_convert)
