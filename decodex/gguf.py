@@ -369,8 +369,8 @@ def _moe_config(meta: dict, key) -> dict:
     else:
         size = int(key("feed_forward_length")) // used
     if size < 1:
-        raise ValueError(f"GGUF metadata {arch}.feed_forward_length is below expert_used_count = {used}, "
-                         "and expert_feed_forward_length is missing")
+        raise ValueError(f"GGUF metadata {arch}: the experts' feed-forward size comes to {size} "
+                         "(expert_feed_forward_length, or feed_forward_length / expert_used_count)")
     scale = meta.get(f"{arch}.expert_weights_scale", 0.0)
     if scale not in (0.0, 1.0):  # llama.cpp would scale the routing weights by it; decodex does not
         raise ValueError(f"GGUF metadata {arch}.expert_weights_scale = {scale!r} is not supported (0 or 1)")

@@ -302,12 +302,12 @@ def test_gguf_path_not_a_file(tmp_path):
         dgguf.convert_gguf(tmp_path, tmp_path / "out", progress=False)
 
 
-def _gguf_from_hf(path, hf, arch, checkpoint=None, floats=None):
+def _gguf_from_hf(path, hf, arch, checkpoint=None, extra=None):
     """`hf` (a tiny transformers model) written as llama.cpp's converter writes architecture `arch`:
     llama.cpp's tensor names, Q and K rows (and biases) permuted for llama only, fp32 data. For
     qwen3moe the tensors come from the saved `checkpoint` directory (one tensor per expert, as on
-    disk), each layer's experts stacked into one tensor per projection [E, rows, cols]. `floats`: more
-    float32 metadata."""
+    disk), each layer's experts stacked into one tensor per projection [E, rows, cols]. `extra`: more
+    metadata (ints as uint32, floats as float32)."""
     gguf = pytest.importorskip("gguf")
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -322,8 +322,8 @@ def _gguf_from_hf(path, hf, arch, checkpoint=None, floats=None):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
-    for key, value in (floats or {}).items():
-        w.add_float32(key, value)
+    for key, value in (extra or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     if c.rope_parameters.get("rope_type") == "yarn":
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", c.rope_parameters["factor"])
@@ -393,8 +393,9 @@ def test_gguf_architectures_match_transformers(tmp_path, arch, overrides):
         want = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     if arch == "qwen3moe":  # see above
-        c = model.config
-        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (8, 2, 48, True)
+        fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+        # MOE_TINY renormalises, as llama.cpp's qwen3moe does
+        assert {f: getattr(model.config, f) for f in fields} == {f: MOE_TINY[f] for f in fields}
         return
 
     from transformers import AutoModelForCausalLM
@@ -495,7 +496,8 @@ def test_gguf_rope_scaling_other_than_yarn_is_refused(tmp_path):
 def test_qwen3moe_gguf_layout_and_refusals(tmp_path):
     """The stacked experts have the dims llama.cpp's qwen3moe loader asks for (innermost first:
     gate/up {hidden, I, E}, down {I, hidden, E}, the router {hidden, E}); routing weights scaled by
-    expert_weights_scale, which decodex does not do, are refused rather than dropped."""
+    expert_weights_scale, which decodex does not do, and shared experts are refused rather than
+    dropped."""
     gguf = pytest.importorskip("gguf")
     from decodex.config import LoadError
     checkpoint, hf = make_tiny_checkpoint(tmp_path, "qwen3_moe", dtype=torch.bfloat16, **MOE_TINY)
@@ -504,7 +506,8 @@ def test_qwen3moe_gguf_layout_and_refusals(tmp_path):
     dims = {t.name: [int(d) for d in t.shape] for t in gguf.GGUFReader(str(path)).tensors}
     assert dims["blk.1.ffn_gate_exps.weight"] == dims["blk.1.ffn_up_exps.weight"] == [H, I, E]
     assert dims["blk.1.ffn_down_exps.weight"] == [I, H, E] and dims["blk.1.ffn_gate_inp.weight"] == [H, E]
-    scaled = _gguf_from_hf(tmp_path / "scaled.gguf", hf, "qwen3moe", checkpoint,
-                           floats={"qwen3moe.expert_weights_scale": 2.5})
-    with pytest.raises(LoadError, match="qwen3moe.expert_weights_scale = 2.5 is not supported"):
-        dgguf.convert_gguf(scaled, tmp_path / "out", progress=False)
+    for extra, words in (({"qwen3moe.expert_weights_scale": 2.5}, "expert_weights_scale = 2.5 is not"),
+                         ({"qwen3moe.expert_shared_count": 1}, "shared experts are not supported")):
+        refused = _gguf_from_hf(tmp_path / "refused.gguf", hf, "qwen3moe", checkpoint, extra=extra)
+        with pytest.raises(LoadError, match=words):
+            dgguf.convert_gguf(refused, tmp_path / "out", progress=False)
