@@ -600,7 +600,7 @@ def rows(args=None) -> list[list]:
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: time to first token failed: {_err(e)}")
         if args.profile:
-            for batch, context in PROFILE_CASES:
+            for batch, context in args.profile_cases:
                 try:
                     profile_step(model, context, batch, forced=args.force_plans, name=label)
                 except Exception as e:  # noqa: BLE001
@@ -678,6 +678,8 @@ def parse_args(argv):
                    help="seconds for torch.compile cases over all models (default 200)")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel breakdown of each model's step (batch 1 at 1K and 32K, batch 64 at 1K)")
+    p.add_argument("--profile-cases", default=None,
+                   help="with --profile: these BATCHxCONTEXT cases instead, e.g. 1x1024")
     p.add_argument("--sweep-gemv", action="store_true",
                    help="instead of the table: choose each GEMV shape's configuration inside the step "
                         "(per model and case; batch <= 8, no HF)")
@@ -759,6 +761,7 @@ def parse_args(argv):
     default = (SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans
                else AB_CASES if args.ab else CASES)
     args.cases = parse_cases(args.cases) if args.cases else list(default)
+    args.profile_cases = parse_cases(args.profile_cases) if args.profile_cases else list(PROFILE_CASES)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
         p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")
     if args.live_plans and any(b <= GEMV_MAX_ROWS for b, _ in args.cases):
