@@ -22,6 +22,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --quick          # 1.5B, 3 cases, no HF
   python -m bench.decode --no-hf | --no-compile | --models 1.5b --cases 1x1024,8x1024
   python -m bench.decode --no-hf --models 1.5b --profile   # per-kernel breakdown (b1 1K/32K, b64 1K)
+  python -m bench.decode --no-hf --models qwen3-30b-a3b --cases 1x1024 --profile --profile-cases 1x1024
   python -m bench.decode --no-hf --cases 16x1024,32x1024 --plans cublas,gemv8   # without the wide gemv
   python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
@@ -761,6 +762,8 @@ def parse_args(argv):
     default = (SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans
                else AB_CASES if args.ab else CASES)
     args.cases = parse_cases(args.cases) if args.cases else list(default)
+    if args.profile_cases is not None and not args.profile:
+        p.error("--profile-cases goes with --profile")
     args.profile_cases = parse_cases(args.profile_cases) if args.profile_cases else list(PROFILE_CASES)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
         p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")

@@ -30,6 +30,14 @@ def test_sweep_shapes_and_rms_arguments():
             decode.parse_args(bad)
 
 
+def test_profile_cases_argument():
+    """--profile-cases: the profiled cases instead of PROFILE_CASES, only with --profile."""
+    assert decode.parse_args(["--profile"]).profile_cases == decode.PROFILE_CASES
+    assert decode.parse_args(["--profile", "--profile-cases", "1x1k,8x2048"]).profile_cases == [(1, 1024), (8, 2048)]
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--profile-cases", "1x1024"])
+
+
 def test_plans_argument():
     """--plans: the engine's plans above 8 rows to measure (the A/B without the wide gemv)."""
     assert decode.parse_args([]).plans is None
