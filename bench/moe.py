@@ -8,7 +8,10 @@ out and a fresh random choice of 8 distinct experts per row, all sets sharing on
 expert weights (gate|up 805 MB, down 403 MB): the sets read different experts, so the calls are
 L2-cold in practice. Bytes moved: the distinct experts M uniformly routed rows read in expectation
 (bench.common.expected_experts), plus x and out; % is of the read bandwidth measured in the same
-run. moe_route itself reads 256 bytes a row (bench.argmax's shape class: latency).
+run. moe_route itself reads 256 bytes a row (bench.argmax's shape class: latency). The
+prefetch_weight rows read the routing and the first expert weights before the PDL wait, as the
+decode step does (there moe_route runs two kernels ahead; here the call ahead is another
+moe_gemv_sum, which writes none of them).
 
     python -m bench.moe
 """
@@ -55,12 +58,14 @@ def rows(bandwidth_gbs: float) -> list[list]:
             2 * (experts * 2 * I * HIDDEN + M * HIDDEN + M * TOP_K * I), bandwidth_gbs,
             lambda M=M: (torch.randn(M, HIDDEN, **bf), gate_up, _ids(M), torch.empty(M, TOP_K, I, **bf)),
             lambda x, w, ids, o: ops.moe_gemv_silu_mul(x, w, ids, o), _silu_torch))
-        out.append(compare_row(
-            f"moe_gemv_sum M={M} ({experts:.1f} experts)",
-            2 * (experts * HIDDEN * I + M * TOP_K * I + M * HIDDEN), bandwidth_gbs,
-            lambda M=M: (torch.randn(M, TOP_K, I, **bf), down, _ids(M), torch.rand(M, TOP_K, device="cuda"),
-                         torch.empty(M, HIDDEN, **bf)),
-            lambda a, w, ids, wt, o: ops.moe_gemv_sum(a, w, ids, wt, o), _sum_torch))
+        for prefetch in (False, True):
+            out.append(compare_row(
+                f"moe_gemv_sum M={M} ({experts:.1f} experts){', prefetch_weight' if prefetch else ''}",
+                2 * (experts * HIDDEN * I + M * TOP_K * I + M * HIDDEN), bandwidth_gbs,
+                lambda M=M: (torch.randn(M, TOP_K, I, **bf), down, _ids(M), torch.rand(M, TOP_K, device="cuda"),
+                             torch.empty(M, HIDDEN, **bf)),
+                lambda a, w, ids, wt, o, p=prefetch: ops.moe_gemv_sum(a, w, ids, wt, o, prefetch_weight=p),
+                _sum_torch))
     return out
 
 

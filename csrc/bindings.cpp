@@ -92,8 +92,10 @@ TORCH_LIBRARY(decodex, m) {
   // out[M,N] (+)= sum_s weights[m,s] * (x[m,s] @ weight[e]^T), e = ids[m,s], for x[M,k,I] and the
   // experts' weight[E,N,I]: the fp32 sum rounded to bf16 once (accumulate: then added to out, as
   // gemv's accumulate). I % 8 == 0. Ids outside [0, E) give NaN, never a read outside weight.
+  // prefetch_weight: ids, weights and the first expert weights are read before the PDL wait (the
+  // caller promises the kernel ahead writes none of them; x is read after it).
   m.def("moe_gemv_sum(Tensor x, Tensor weight, Tensor ids, Tensor weights, Tensor(a!) out, "
-        "bool accumulate=False) -> ()");
+        "bool accumulate=False, bool prefetch_weight=False) -> ()");
   // out[B] (int64) = argmax(logits[B,V]); ties go to the lowest index.
   m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
   // out[B] (int64): a token drawn from softmax(logits / temperature) restricted to top_k (0: off)

@@ -124,9 +124,10 @@ inline void moe_gemv_silu_mul(const T& x, const T& weight, const T& ids, T& out,
 }
 
 inline void moe_gemv_sum(const T& x, const T& weight, const T& ids, const T& weights, T& out,
-                         bool accumulate = false) {
-  static auto h = detail::op<void(const T&, const T&, const T&, const T&, T&, bool)>("decodex::moe_gemv_sum");
-  h.call(x, weight, ids, weights, out, accumulate);
+                         bool accumulate = false, bool prefetch_weight = false) {
+  static auto h =
+      detail::op<void(const T&, const T&, const T&, const T&, T&, bool, bool)>("decodex::moe_gemv_sum");
+  h.call(x, weight, ids, weights, out, accumulate, prefetch_weight);
 }
 
 inline void argmax(const T& logits, T& out) {

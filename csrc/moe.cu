@@ -21,9 +21,9 @@
 // loads, software-pipelined (the next kMoeUnroll chunks of a row issued before the current ones are
 // used), and their sums meet in a shuffle reduction. An expert chosen by several rows is read once
 // per (row, slot): at the few rows of a decode step that costs little (mostly L2 hits); prompts
-// (many rows) take grouped GEMMs instead (decodex/model.py). The weights' first bytes cannot be
-// loaded before the wait, as the GEMVs do (prefetch_weight): which expert to read is what the
-// kernel ahead writes.
+// (many rows) take grouped GEMMs instead (decodex/model.py). moe_gemv_silu_mul cannot load its
+// weights before the wait, as the GEMVs do: which expert to read is what the kernel ahead (moe_route)
+// writes. moe_gemv_sum, two kernels behind moe_route in the decode step, can (prefetch_weight).
 // Ids outside [0, E) are never dereferenced: their outputs are NaN.
 #include "common.h"
 #include "ops.h"
@@ -206,62 +206,85 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
 // + w of row m, over its k experts: the trips of all k rows of weight in one pipelined walk, each
 // slot's dot product reduced as it completes and added in slot order. (A block per output feature,
 // a warp per expert, was slower on the H200: 12.8 against 10.2 us at Qwen3-30B-A3B's shape, M = 1;
-// bench/RESULTS.md, session 36.)
+// bench/RESULTS.md, session 36.) Two register buffers take the trips in turn (no moves between
+// them): while one trip is summed, the other is in flight. With prefetch_weight the ids, the
+// weights and both buffers' first trips of expert weights are read before griddepcontrol.wait (the
+// caller promises the kernel ahead writes none of them: in the decode step moe_route, which writes
+// ids and weights, runs two kernels ahead); x, which the kernel ahead writes, is read after it.
 __global__ void __launch_bounds__(kMoeWarps * 32)
 moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
                     const __nv_bfloat16* __restrict__ w,  // [E, N, I]
                     const int* __restrict__ ids, const float* __restrict__ weights, int k, int E,
-                    int N, int I, bool accumulate,
+                    int N, int I, bool accumulate, bool prefetch_weight,
                     __nv_bfloat16* __restrict__ out, int64_t out_stride) {  // [M, N]
-  pdl_begin();
+  if (!prefetch_weight) pdl_begin();
   __shared__ int sm_id[kMoeMaxTopK];
   __shared__ float sm_w[kMoeMaxTopK];
   const int lane = threadIdx.x & 31, m = blockIdx.y;
-  if (threadIdx.x < k) {
-    sm_id[threadIdx.x] = ids[m * k + threadIdx.x];
-    sm_w[threadIdx.x] = weights[m * k + threadIdx.x];
+  if (threadIdx.x < k) {  // through L2 (ld.global.cg): no line an earlier kernel left in L1
+    sm_id[threadIdx.x] = __ldcg(ids + m * k + threadIdx.x);
+    sm_w[threadIdx.x] = __ldcg(weights + m * k + threadIdx.x);
   }
   __syncthreads();
   const int n = blockIdx.x * kMoeWarps + (threadIdx.x >> 5);
-  if (n >= N) return;  // a whole warp
   bool bad = false;
   for (int s = 0; s < k; ++s) bad |= sm_id[s] < 0 || sm_id[s] >= E;
-  float acc = 0.f;
-  if (!bad) {
-    const int chunks = I / 8;
-    const int per_slot = (chunks + 32 * kMoeUnroll - 1) / (32 * kMoeUnroll);  // trips a slot
-    const int trips = k * per_slot;
-    auto load_trip = [&](int trip, uint4 (&wv)[kMoeUnroll], uint4 (&xv)[kMoeUnroll]) {
-      const bool live = trip < trips;
-      const int s = live ? trip / per_slot : 0;
-      const int c0 = lane + (trip - s * per_slot) * 32 * kMoeUnroll;
-      const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
-      const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
+  const int chunks = I / 8;
+  const int per_slot = (chunks + 32 * kMoeUnroll - 1) / (32 * kMoeUnroll);  // trips a slot
+  const int trips = bad || n >= N ? 0 : k * per_slot;
+  struct Trip {
+    uint4 w[kMoeUnroll], x[kMoeUnroll];
+  };
+  auto locate = [&](int trip, int& c0, int& s) {
+    s = trip < trips ? trip / per_slot : 0;
+    c0 = lane + (trip - s * per_slot) * 32 * kMoeUnroll;
+  };
+  auto load_w = [&](int trip, Trip& b) {
+    int c0, s;
+    locate(trip, c0, s);
+    const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
 #pragma unroll
-      for (int t = 0; t < kMoeUnroll; ++t) {
-        const int c = c0 + 32 * t;
-        wv[t] = load16_stream_l2_256(wr + 8 * c, live && c < chunks);
-        xv[t] = load16_cached(xr + 8 * c, live && c < chunks);
-      }
-    };
-    uint4 wv[kMoeUnroll], xv[kMoeUnroll];
-    load_trip(0, wv, xv);
-    float d = 0.f;
-    for (int trip = 0; trip < trips; ++trip) {
-      uint4 wn[kMoeUnroll], xn[kMoeUnroll];
-      load_trip(trip + 1, wn, xn);
-#pragma unroll
-      for (int t = 0; t < kMoeUnroll; ++t) {
-        d = dot8(wv[t], xv[t], d);
-        wv[t] = wn[t];
-        xv[t] = xn[t];
-      }
-      if ((trip + 1) % per_slot == 0) {  // slot s done: weights[m, s] times its dot product
-        const int s = trip / per_slot;
-        acc = __fadd_rn(acc, __fmul_rn(sm_w[s], warp_reduce(d, Sum{})));
-        d = 0.f;
-      }
+    for (int t = 0; t < kMoeUnroll; ++t) {
+      const int c = c0 + 32 * t;
+      b.w[t] = load16_stream_l2_256(wr + 8 * c, trip < trips && c < chunks);
     }
+  };
+  auto load_x = [&](int trip, Trip& b) {
+    int c0, s;
+    locate(trip, c0, s);
+    const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
+#pragma unroll
+    for (int t = 0; t < kMoeUnroll; ++t) {
+      const int c = c0 + 32 * t;
+      b.x[t] = load16_cached(xr + 8 * c, trip < trips && c < chunks);
+    }
+  };
+  float d = 0.f, acc = 0.f;
+  auto sum_trip = [&](int trip, const Trip& b) {
+#pragma unroll
+    for (int t = 0; t < kMoeUnroll; ++t) d = dot8(b.w[t], b.x[t], d);
+    if ((trip + 1) % per_slot == 0) {  // slot s done: weights[m, s] times its dot product
+      acc = __fadd_rn(acc, __fmul_rn(sm_w[trip / per_slot], warp_reduce(d, Sum{})));
+      d = 0.f;
+    }
+  };
+  Trip a, b;
+  load_w(0, a);
+  load_w(1, b);
+  if (prefetch_weight) {
+    pdl_wait();
+    pdl_trigger();
+  }
+  if (n >= N) return;  // a whole warp
+  load_x(0, a);
+  load_x(1, b);
+  for (int trip = 0; trip < trips; trip += 2) {
+    sum_trip(trip, a);
+    load_w(trip + 2, a);
+    load_x(trip + 2, a);
+    if (trip + 1 < trips) sum_trip(trip + 1, b);
+    load_w(trip + 3, b);
+    load_x(trip + 3, b);
   }
   if (lane == 0) {
     __nv_bfloat16* o = out + m * out_stride + n;
@@ -376,7 +399,7 @@ void moe_gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
-                  const at::Tensor& weights, at::Tensor& out, bool accumulate) {
+                  const at::Tensor& weights, at::Tensor& out, bool accumulate, bool prefetch_weight) {
   DX_CHECK_CUDA(x);
   DX_CHECK_DTYPE(x, at::kBFloat16);
   DX_CHECK_DIM(x, 3);
@@ -415,7 +438,7 @@ void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), ids.data_ptr<int>(),
       weights.data_ptr<float>(), static_cast<int>(k), static_cast<int>(E), static_cast<int>(N),
-      static_cast<int>(I), accumulate, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+      static_cast<int>(I), accumulate, prefetch_weight, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
       M <= 1 ? N : out.stride(0));
   DX_CHECK_LAUNCHED(err, "moe_gemv_sum");
   DX_CHECK_LAUNCH("moe_gemv_sum");

@@ -44,7 +44,7 @@ void moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob, at:
 void moe_gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
                        at::Tensor& out, std::optional<double> rms_eps);
 void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
-                  const at::Tensor& weights, at::Tensor& out, bool accumulate);
+                  const at::Tensor& weights, at::Tensor& out, bool accumulate, bool prefetch_weight);
 void argmax(const at::Tensor& logits, at::Tensor& out);
 void sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
             const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& positions,

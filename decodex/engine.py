@@ -808,7 +808,9 @@ class CudaGraphRunner(HostLoop):
             ops.gemv(x[s], layer.router_w, None, logits[s], prefetch_weight=True, rms_eps=rms_eps)
         ops.moe_route(logits, c.num_experts_per_tok, c.norm_topk_prob, ids, weights)
         ops.moe_gemv_silu_mul(x, layer.experts_gate_up, ids, act, rms_eps=rms_eps)
-        ops.moe_gemv_sum(act, layer.experts_down, ids, weights, self.residual[:n], accumulate=True)
+        # prefetch_weight: moe_route, which writes ids and weights, runs two kernels ahead.
+        ops.moe_gemv_sum(act, layer.experts_down, ids, weights, self.residual[:n], accumulate=True,
+                         prefetch_weight=True)
 
     def _step(self, n: int, greedy: bool) -> None:
         """One decode step over rows 0..n-1, on the current stream, on the static buffers only."""

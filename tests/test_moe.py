@@ -148,16 +148,17 @@ def test_moe_gemv_silu_mul_values(M, E, k, I, K, rms):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch_weight", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("M,E,k,I,N", PRODUCTS)
-def test_moe_gemv_sum_values(M, E, k, I, N, accumulate):
+def test_moe_gemv_sum_values(M, E, k, I, N, accumulate, prefetch_weight):
     x = torch.randn(M, k, I, device="cuda").to(bf16)
     w = _experts(E, N, I)
     ids = torch.randint(0, E, (M, k), dtype=torch.int32, device="cuda")
     weights = torch.rand(M, k, device="cuda")
     before = torch.randn(M, N, device="cuda").to(bf16) if accumulate else None
     out = before.clone() if accumulate else _sum_out(M, N)
-    torch.ops.decodex.moe_gemv_sum(x, w, ids, weights, out, accumulate=accumulate)
+    torch.ops.decodex.moe_gemv_sum(x, w, ids, weights, out, accumulate=accumulate, prefetch_weight=prefetch_weight)
     _check_sum(out, x, w, ids, weights, before)
     want = reference.moe_gemv_sum(x, w, ids, weights, accumulate=before)
     torch.testing.assert_close(out.float(), want.float(), rtol=2.0**-7, atol=1e-3)
@@ -192,15 +193,17 @@ def test_moe_bad_ids_give_nan_and_read_nothing():
     torch.cuda.synchronize()
     assert torch.isfinite(act[0, 0]).all() and torch.isfinite(act[0, 2]).all()
     assert torch.isnan(act[0, 1]).all() and torch.isnan(act[1, 0]).all() and torch.isnan(act[1, 2]).all()
-    out = _sum_out(M, K)
-    torch.ops.decodex.moe_gemv_sum(act.nan_to_num(), down, ids, torch.ones(M, k, device="cuda"), out)
-    assert torch.isnan(out).all()
+    for prefetch_weight in (False, True):
+        out = _sum_out(M, K)
+        torch.ops.decodex.moe_gemv_sum(act.nan_to_num(), down, ids, torch.ones(M, k, device="cuda"), out,
+                                       prefetch_weight=prefetch_weight)
+        assert torch.isnan(out).all()
 
 
 @pytest.mark.gpu
 def test_moe_cuda_graph_follows_the_routing():
-    """The three ops in one graph (as the decode step runs them): replayed with new logits, each
-    replay routes anew and the products follow."""
+    """The three ops in one graph (as the decode step runs them, moe_gemv_sum reading the routing
+    before its PDL wait): replayed with new logits, each replay routes anew and the products follow."""
     M, E, k, I, K = 2, 16, 4, 136, 256
     x = torch.randn(M, K, device="cuda").to(bf16)
     gate_up, down = _experts(E, 2 * I, K), _experts(E, K, I)
@@ -213,7 +216,7 @@ def test_moe_cuda_graph_follows_the_routing():
         ops = torch.ops.decodex
         ops.moe_route(logits, k, True, ids, weights)
         ops.moe_gemv_silu_mul(x, gate_up, ids, act, rms_eps=1e-6)
-        ops.moe_gemv_sum(act, down, ids, weights, out)
+        ops.moe_gemv_sum(act, down, ids, weights, out, prefetch_weight=True)  # moe_route: two kernels ahead
 
     graph = capture_graph(step)
     seen = set()
@@ -292,7 +295,7 @@ SCHEMAS = {
     "moe_gemv_silu_mul": "decodex::moe_gemv_silu_mul(Tensor x, Tensor weight, Tensor ids, Tensor(a!) out, "
                          "float? rms_eps=None) -> ()",
     "moe_gemv_sum": "decodex::moe_gemv_sum(Tensor x, Tensor weight, Tensor ids, Tensor weights, Tensor(a!) out, "
-                    "bool accumulate=False) -> ()",
+                    "bool accumulate=False, bool prefetch_weight=False) -> ()",
 }
 
 
