@@ -243,8 +243,9 @@ def test_moe_opcheck():
     ops = torch.ops.decodex
     torch.library.opcheck(ops.moe_route.default, (_logits(M, E), k, True, ids.clone(), weights.clone()))
     torch.library.opcheck(ops.moe_gemv_silu_mul.default, (x, gate_up, ids, _silu_out(M, k, I)), {"rms_eps": 1e-6})
-    torch.library.opcheck(ops.moe_gemv_sum.default, (_silu_out(M, k, I).normal_(), down, ids, weights,
-                                                      _sum_out(M, K)))
+    for prefetch_weight in (False, True):
+        torch.library.opcheck(ops.moe_gemv_sum.default, (_silu_out(M, k, I).normal_(), down, ids, weights,
+                                                          _sum_out(M, K)), {"prefetch_weight": prefetch_weight})
 
 
 @pytest.mark.gpu
