@@ -54,14 +54,15 @@ __device__ __forceinline__ float squares8(uint4 x, float acc) {
 
 // ---- moe_route ----
 
-// The choice key of expert e with logit x: order-preserving bits of x above the complemented index,
-// so the unsigned max is the largest logit at the lowest index. NaN counts as -inf; -0 as +0 (equal
-// logits tie, as the reference's stable sort has them).
-__device__ __forceinline__ unsigned long long route_key(float x, int e) {
+// The choice key of expert e (< 2^16) with logit x, a bf16 value: x's 16 bits, order-preserving,
+// above the complemented index, so the unsigned max is the largest logit at the lowest index, and a
+// warp picks it in one redux.sync. NaN counts as -inf; -0 as +0 (equal logits tie, as the
+// reference's stable sort has them). Every key is above 0, which means "none left".
+__device__ __forceinline__ unsigned route_key(float x, int e) {
   x = isnan(x) ? -INFINITY : __fadd_rn(x, 0.f);
-  const unsigned bits = __float_as_uint(x);
-  const unsigned ord = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-  return (static_cast<unsigned long long>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(e));
+  const unsigned bits = __float_as_uint(x) >> 16;  // exact: x came from bf16
+  const unsigned ord = (bits & 0x8000u) ? ~bits & 0xffffu : bits | 0x8000u;
+  return ord << 16 | (0xffffu - static_cast<unsigned>(e));
 }
 
 // One warp per row; lane l holds logits l, l + 32, ... (kPerLane of them: E <= 32 kPerLane) and its
@@ -93,23 +94,23 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
   sum = warp_reduce(sum, Sum{});
   unsigned taken = 0;  // bit j: expert lane + 32 j chosen
   auto lane_best = [&] {
-    unsigned long long best = 0;  // no candidate left on this lane
+    unsigned best = 0;  // no candidate left on this lane
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int e = lane + 32 * j;
       if (e < E && !(taken >> j & 1u)) {
-        const unsigned long long key = route_key(v[j], e);
+        const unsigned key = route_key(v[j], e);
         best = key > best ? key : best;
       }
     }
     return best;
   };
-  unsigned long long mine = lane_best();
+  unsigned mine = lane_best();
   float chosen_sum = 0.f, w_lane = 0.f;
   int id_lane = 0;
   for (int r = 0; r < k; ++r) {
-    const unsigned long long best = warp_reduce(mine, Max{});
-    const int e = static_cast<int>(0xffffffffu - static_cast<unsigned>(best & 0xffffffffu));
+    const unsigned best = __reduce_max_sync(0xffffffffu, mine);
+    const int e = static_cast<int>(0xffffu - (best & 0xffffu));
     float val = 0.f;  // the chosen logit, from its lane
     if ((e & 31) == lane) {
 #pragma unroll
