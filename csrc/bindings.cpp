@@ -69,14 +69,15 @@ TORCH_LIBRARY(decodex, m) {
   // append), so the kernel may start reading the cache while that kernel runs.
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale, "
         "Tensor(a!) workspace, Tensor(b!) out, bool prefetch_cache=False) -> ()");
-  // rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias) then
-  // decode_attention(q, k_cache, v_cache, lengths, scale, workspace, out) in one kernel, equal to
-  // the two bit for bit in the caches and out; q, k and v (the unrotated product rows) are only
-  // read. prefetch_cache: the kernel just before writes no cache row, lengths nor positions.
+  // rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias, q_norm, k_norm,
+  // norm_eps) then decode_attention(q, k_cache, v_cache, lengths, scale, workspace, out) in one
+  // kernel, equal to the two bit for bit in the caches and out; q, k and v (the unrotated product
+  // rows) are only read. prefetch_cache: the kernel just before writes no cache row, lengths nor
+  // positions.
   m.def("rope_append_attention(Tensor q, Tensor k, Tensor v, Tensor inv_freq, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, float scale, Tensor(c!) workspace, "
         "Tensor(d!) out, bool prefetch_cache=False, Tensor? rms_x=None, float? rms_eps=None, "
-        "Tensor? bias=None) -> ()");
+        "Tensor? bias=None, Tensor? q_norm=None, Tensor? k_norm=None, float? norm_eps=None) -> ()");
   // How many KV splits decode_attention uses for this batch, KV heads, cache capacity and SM count
   // (a pure function, so Python can size the workspace and CPU tests can check it).
   m.def("decode_attention_splits(int batch, int num_kv_heads, int capacity, int sm_count) -> int",

@@ -18,14 +18,16 @@
 //     A-fragment words; P^T comes from the S^T accumulator through one movmatrix transpose per 8x8.
 // Each warp walks 16-token tiles of its split with an online softmax in fp32, with the next tiles'
 // K and V in flight while it computes one. Two ways, one per kernel instance:
-//   - decode_attention (the register path): the next tile's loads go straight into a second
-//     register buffer (218 registers a thread; one tile in flight while the other is used);
-//   - rope_append_attention (the ring path): the tiles come through a ring of kStages slots in
-//     shared memory (cp.async), so kStages tiles are in flight and only the one being computed
-//     sits in registers (196 registers, 96 KB of shared memory a block). Beside the cuBLAS products
-//     of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention beside
-//     the GEMVs of the small batches it was slower, so decode_attention keeps the registers
-//     (bench/RESULTS.md, session 16).
+//   - the register path (decode_attention, and rope_append_attention up to 8 rows): the next
+//     tile's loads go straight into a second register buffer (218 registers a thread; one tile in
+//     flight while the other is used);
+//   - the ring path (rope_append_attention above 8 rows): the tiles come through a ring of kStages
+//     slots in shared memory (cp.async), so kStages tiles are in flight and only the one being
+//     computed sits in registers (196 registers, 96 KB of shared memory a block). Beside the cuBLAS
+//     products of the batched step it saves 1.8 us a layer (1.5B, 64 rows); run as decode_attention
+//     beside the GEMVs of the small batches it was slower, so decode_attention keeps the registers
+//     (bench/RESULTS.md, session 16), and so does rope_append_attention at the GEMVs' batches
+//     (Qwen3's step at batch 1, whose q/k norms put rope_append's work there: session 40).
 // A block has 4 warps (2 blocks an SM), or 8 for short caches at batch 1 and 2 (split_warps). The
 // warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
@@ -83,6 +85,7 @@ constexpr int kSplitBlocksPerSm = 2;       // one resident wave of split blocks 
 constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
 constexpr int kClusterSplits = 8;          // up to this many splits merge in a cluster (portable)
 constexpr int kStages = 3;                 // a warp's ring of tiles in shared memory
+constexpr int kRopeRegisterRows = 8;       // rope_append_attention: the register path up to 8 rows
 constexpr int kCombineSplitsPerWarp = 16;  // combine: one warp per 16 splits ...
 constexpr int kCombineMaxWarps = 8;        // ... up to 8
 constexpr float kLog2e = 1.4426950408889634f;
@@ -405,7 +408,8 @@ __device__ __forceinline__ void merge_cluster(ClusterInbox<D>& inbox, const Clus
 // block's query heads and, where the block reads row pos or appends it (kv), of k
 // and v. rope_load issues the item's loads and the first of the rms_x row's; rope_prologue then
 // (live rows) scales by 1/rms(rms_x row), adds
-// the bias and rounds to bf16 (scale_bias_round8), rotates q and k, and puts q in sm_q and k, v in
+// the bias and rounds to bf16 (scale_bias_round8), norms q and k heads (q_norm / k_norm, Qwen3:
+// head_rms_norm), rotates q and k, and puts q in sm_q and k, v in
 // sm_kv (whence the tile holding row pos is patched); the appending block writes them to the
 // caches' row pos. A row with no position (pos < 0) keeps its q as it is, as rope_append leaves it.
 struct RopeLoads {
@@ -476,6 +480,11 @@ __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const RopeLo
       float x1[8], x2[8];
       scale_bias_round8(l.a1, scaled, scale, bias == nullptr ? nullptr : bias + c0, x1);
       scale_bias_round8(l.a2, scaled, scale, bias == nullptr ? nullptr : bias + D / 2 + c0, x2);
+      // Qwen3's head norms: a head's D / 16 items are aligned consecutive lanes, all here (items
+      // come in whole heads, and pos is uniform).
+      if (rope.q_norm != nullptr && item.which < 2) {
+        head_rms_norm(x1, x2, item.which == 0 ? rope.q_norm : rope.k_norm, c0, D / 2, D / 16, rope.norm_eps);
+      }
       if (item.which < 2) {
         float o1[8], o2[8];
 #pragma unroll
@@ -528,7 +537,9 @@ __device__ __forceinline__ void patch_fresh_row(KVTile<D>& tile, int rel, int g,
 // kRope (rope_append_attention): q, rope.k and rope.v are the unrotated product rows; the block
 // first does rope_append's work for what it reads (rope_prologue) and the row positions[b] is taken
 // from there, not from the cache; the block that owns that row appends it to the caches.
-template <int D, bool kRope, int W>
+// kRing: the tiles come through the ring path (rope_append_attention above kRopeRegisterRows rows),
+// else the register path.
+template <int D, bool kRope, bool kRing, int W>
 __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split_kernel(
     const __nv_bfloat16* __restrict__ q,        // [B, H, D], batch stride q_bstride
     const __nv_bfloat16* __restrict__ k_cache,  // [B, Hkv, S, D], batch stride k_bstride
@@ -582,12 +593,12 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   const __nv_bfloat16* k_rows = k_cache + (int64_t)b * k_bstride + (int64_t)kvh * S * D;
   const __nv_bfloat16* v_rows = v_cache + (int64_t)b * v_bstride + (int64_t)kvh * S * D;
 
-  // The first tiles (the header says why two paths): kRope, the ring path's first kStages copies;
+  // The first tiles (the header says why two paths): kRing, the ring path's first kStages copies;
   // otherwise the register path's first two tiles, one per buffer. With prefetch_cache they are
-  // requested before the wait. The register path leaves out row len - 1, which the kernel ahead
-  // may be writing (the decode step's append), and loads a tile holding it again after the wait;
-  // the ring path patches row pos from the prologue instead (the kernel ahead writes no cache row).
-  static_assert(!kRope || W == kWarps, "the ring path's ring is sized for kWarps warps");
+  // requested before the wait. Without kRope the register path leaves out row len - 1, which the
+  // kernel ahead may be writing (the decode step's append), and loads a tile holding it again after
+  // the wait; kRope patches row pos from the prologue instead (the kernel ahead writes no cache row).
+  static_assert(!kRing || (kRope && W == kWarps), "the ring path is rope_append_attention's, kWarps warps");
   constexpr int kStep = W * kTile;
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
@@ -595,7 +606,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   const uint32_t ring_s = smem_u32(ring);
   int base = start + warp * kTile;
   KVTile<D> buf0, buf1;  // the register path's buffers
-  if constexpr (kRope) {
+  if constexpr (kRing) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       const int tb = base + i * kStep;
@@ -603,7 +614,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
       cp_async_commit();
     }
   } else if (prefetch_cache && start < end) {
-    const int old_end = min(end, len - 1);
+    const int old_end = kRope ? end : min(end, len - 1);
     load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
     load_tile<D>(buf1, k_rows, v_rows, base + kStep, old_end, g, t);
   }
@@ -647,8 +658,10 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
     return;
   }
 
-  if constexpr (!kRope) {
-    auto holds_last = [&](int tile_base) { return tile_base <= len - 1 && len - 1 < tile_base + kTile; };
+  if constexpr (!kRing) {
+    auto holds_last = [&](int tile_base) {
+      return !kRope && tile_base <= len - 1 && len - 1 < tile_base + kTile;
+    };
     if (!prefetch_cache || holds_last(base)) load_tile<D>(buf0, k_rows, v_rows, base, end, g, t);
     if (!prefetch_cache || holds_last(base + kStep)) {
       load_tile<D>(buf1, k_rows, v_rows, base + kStep, end, g, t);
@@ -682,7 +695,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2t, 2t+1 (log2 units)
   float l0 = 0.f, l1 = 0.f;              // this lane's share of their running sums
 
-  if constexpr (kRope) {
+  if constexpr (kRing) {
     // Each tile: wait for its slot (the kStages - 1 later tiles' copies stay in flight), read it
     // into registers, refill the slot kStages tiles ahead, then compute.
     for (int slot = 0; base < end; base += kStep, slot = slot + 1 == kStages ? 0 : slot + 1) {
@@ -701,11 +714,14 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   } else {
     // Consume one buffer while the other's loads are in flight, then refill it two tiles ahead
     // (written out twice rather than copied, so the buffers stay in registers).
+    // kRope: row pos patched into its tile just before the tile is used.
     while (base < end) {
+      patch(buf0, base);
       attend_tile<D>(buf0, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
       base += kStep;
       if (base >= end) break;
       load_tile<D>(buf0, k_rows, v_rows, base + kStep, end, g, t);
+      patch(buf1, base);
       attend_tile<D>(buf1, qf, base, end, g, scale_log2, o, m0, m1, l0, l1);
       base += kStep;
       if (base >= end) break;
@@ -723,10 +739,10 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   // own ring).
   __shared__ float sm_m[W][kHeadsPerBlock], sm_l[W][kHeadsPerBlock];
   // The register path's o (a token array in the ring path, which never uses it).
-  __shared__ __align__(16) float sm_o_regs[kRope ? 1 : W][kHeadsPerBlock][kRope ? 4 : D];
+  __shared__ __align__(16) float sm_o_regs[kRing ? 1 : W][kHeadsPerBlock][kRing ? 4 : D];
   static_assert(kHeadsPerBlock * D * 4 <= kStages * kSlotBytes, "a warp's o must fit its ring");
   auto sm_o = [&](int w) -> float (*)[D] {
-    if constexpr (kRope) {
+    if constexpr (kRing) {
       return reinterpret_cast<float (*)[D]>(ring_smem + w * (kStages * kSlotBytes));
     } else {
       return sm_o_regs[w];
@@ -1097,17 +1113,21 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   const cudaStream_t stream = current_stream();
   const int64_t blocks = B * Hkv * head_blocks * splits;
   const bool in_cluster = merge_in_cluster(splits, blocks, q.get_device());
-  // The ring path (rope_append_attention) always has kWarps warps.
-  const int warps = rope != nullptr ? kWarps : split_warps(in_cluster, blocks, q.get_device());
+  // rope_append_attention takes the ring path above kRopeRegisterRows rows, always with kWarps warps.
+  const bool ring = rope != nullptr && B > kRopeRegisterRows;
+  const int warps = ring ? kWarps : split_warps(in_cluster, blocks, q.get_device());
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
-    auto* kernel = rope != nullptr ? decode_attention_split_kernel<kD, true, kWarps>
-                   : warps == 2 * kWarps ? decode_attention_split_kernel<kD, false, 2 * kWarps>
-                                         : decode_attention_split_kernel<kD, false, kWarps>;
-    const int smem = rope != nullptr ? kRingBytes<kD> : 0;  // the ring path's ring
+    auto* kernel = ring ? decode_attention_split_kernel<kD, true, true, kWarps>
+                   : rope != nullptr
+                       ? (warps == 2 * kWarps ? decode_attention_split_kernel<kD, true, false, 2 * kWarps>
+                                              : decode_attention_split_kernel<kD, true, false, kWarps>)
+                       : (warps == 2 * kWarps ? decode_attention_split_kernel<kD, false, false, 2 * kWarps>
+                                              : decode_attention_split_kernel<kD, false, false, kWarps>);
+    const int smem = ring ? kRingBytes<kD> : 0;  // the ring path's ring
     if (smem > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, q.get_device(), op);
     cudaError_t err = launch_pdl_clusters(
         kernel, grid, dim3(warps * 32), static_cast<size_t>(smem), stream,

@@ -19,6 +19,9 @@ struct AttnRope {
   int K = 0;
   float rms_eps = 0.f;
   const __nv_bfloat16* bias = nullptr;  // [(H + 2 Hkv) D] or null, added after the scale
+  const __nv_bfloat16* q_norm = nullptr;  // [D] or null (then k_norm too): Qwen3's head norms,
+  const __nv_bfloat16* k_norm = nullptr;  // applied after the bias, before RoPE
+  float norm_eps = 0.f;
 };
 
 // Checks decode_attention's arguments and launches it; with rope, the split kernel first does

@@ -97,12 +97,13 @@ inline void rope_append_attention(const T& q, const T& k, const T& v, const T& i
                                   const T& positions, T& k_cache, T& v_cache, const T& lengths,
                                   double scale, T& workspace, T& out, bool prefetch_cache = false,
                                   const OptT& rms_x = std::nullopt, OptD rms_eps = std::nullopt,
-                                  const OptT& bias = std::nullopt) {
+                                  const OptT& bias = std::nullopt, const OptT& q_norm = std::nullopt,
+                                  const OptT& k_norm = std::nullopt, OptD norm_eps = std::nullopt) {
   static auto h = detail::op<void(const T&, const T&, const T&, const T&, const T&, T&, T&, const T&,
-                                  double, T&, T&, bool, const OptT&, OptD, const OptT&)>(
-      "decodex::rope_append_attention");
+                                  double, T&, T&, bool, const OptT&, OptD, const OptT&, const OptT&,
+                                  const OptT&, OptD)>("decodex::rope_append_attention");
   h.call(q, k, v, inv_freq, positions, k_cache, v_cache, lengths, scale, workspace, out,
-         prefetch_cache, rms_x, rms_eps, bias);
+         prefetch_cache, rms_x, rms_eps, bias, q_norm, k_norm, norm_eps);
 }
 
 inline int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,

@@ -36,7 +36,8 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                            double scale, at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
                            const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
-                           const std::optional<at::Tensor>& bias);
+                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& q_norm,
+                           const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps);
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count);
 void moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob, at::Tensor& ids,

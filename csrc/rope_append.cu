@@ -39,35 +39,6 @@ namespace decodex {
 
 constexpr int kRopeMaxThreads = 512;
 
-// Qwen3's norm of one q or k head, on one work item's 16 values of it (x1: elements c0..c0+7, x2:
-// half+c0..): the head's fp32 sum of squares over its `slices` items, which are `slices` aligned
-// consecutive lanes of one warp, all active (items come in whole heads, and blockDim.x is a multiple
-// of 32, which `slices` divides: the host checks D/16 is a power of two up to 32); then each value
-// times 1/rms(head) times w, rounded to bf16 as decodex.reference.rms_norm stores it. Every lane of
-// the group gets the same sum (a butterfly of commutative adds), so the two halves agree.
-__device__ __forceinline__ void head_rms_norm(float (&x1)[8], float (&x2)[8],
-                                              const __nv_bfloat16* __restrict__ w, int c0, int half,
-                                              int slices, float eps) {
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) ss = __fmaf_rn(x1[j], x1[j], ss);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) ss = __fmaf_rn(x2[j], x2[j], ss);
-  const int lane = threadIdx.x & 31;
-  const unsigned group =
-      slices == 32 ? 0xffffffffu : ((1u << slices) - 1u) << (lane & ~(slices - 1));
-  for (int o = 1; o < slices; o <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(group, ss, o));
-  const float inv = rms_inv(ss, 2 * half, eps);
-  float w1[8], w2[8];
-  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + c0), w1);
-  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + half + c0), w2);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    x1[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x1[j], inv), w1[j])));
-    x2[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x2[j], inv), w2[j])));
-  }
-}
-
 __global__ void __launch_bounds__(kRopeMaxThreads)
 rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_stride
                    int64_t q_stride,
@@ -263,45 +234,45 @@ RopeShapes check_rope_append(const char* op, const at::Tensor& q, const at::Tens
   return a;
 }
 
-// q_norm / k_norm [D] and norm_eps, all or none: bf16 vectors on ref's device, contiguous, 16-byte
-// aligned and apart from the written tensors, and a head dim whose D/16 work items are a power of two
-// up to 32 (the kernel sums a head's squares across those lanes of a warp). Returns the two pointers
-// (null without them).
+// q_norm / k_norm [D] and norm_eps, all or none (checked for `op`): bf16 vectors on ref's device,
+// contiguous, 16-byte aligned and apart from the tensors the op writes (written_names names them),
+// and a head dim whose D/16 work items are a power of two up to 32 (the kernels sum a head's squares
+// across those lanes of a warp). Returns the two pointers (null without them).
 struct HeadNorms {
   const __nv_bfloat16* q = nullptr;
   const __nv_bfloat16* k = nullptr;
   float eps = 0.f;
 };
-HeadNorms check_head_norms(const std::optional<at::Tensor>& q_norm,
+HeadNorms check_head_norms(const char* op, const std::optional<at::Tensor>& q_norm,
                            const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps,
-                           int64_t D, const at::Tensor& ref,
+                           int64_t D, const at::Tensor& ref, const char* written_names,
                            std::initializer_list<const at::Tensor*> written_tensors) {
   DX_CHECK(q_norm.has_value() == k_norm.has_value() && q_norm.has_value() == norm_eps.has_value(),
-           "rope_append: q_norm, k_norm and norm_eps go together (got ", q_norm ? "q_norm " : "",
+           op, ": q_norm, k_norm and norm_eps go together (got ", q_norm ? "q_norm " : "",
            k_norm ? "k_norm " : "", norm_eps ? "norm_eps" : "", ")");
   HeadNorms n;
   if (!q_norm) return n;
   const int64_t slices = D / 16;
-  DX_CHECK(slices <= 32 && (slices & (slices - 1)) == 0, "rope_append: q_norm / k_norm need a head dim ",
+  DX_CHECK(slices <= 32 && (slices & (slices - 1)) == 0, op, ": q_norm / k_norm need a head dim ",
            "of 16, 32, 64, 128, 256 or 512, got D = ", D);
   for (const at::Tensor* t : {&*q_norm, &*k_norm}) {
     const char* name = t == &*q_norm ? "q_norm" : "k_norm";
-    DX_CHECK(t->is_cuda() && t->device() == ref.device(), "rope_append: ", name, " must be a CUDA tensor on ",
+    DX_CHECK(t->is_cuda() && t->device() == ref.device(), op, ": ", name, " must be a CUDA tensor on ",
              ref.device(), ", got ", t->device());
-    DX_CHECK(t->scalar_type() == at::kBFloat16, "rope_append: ", name, " must have dtype BFloat16, got ",
+    DX_CHECK(t->scalar_type() == at::kBFloat16, op, ": ", name, " must have dtype BFloat16, got ",
              t->scalar_type());
-    DX_CHECK(t->dim() == 1 && t->size(0) == D, "rope_append: ", name, " must have shape [", D,
+    DX_CHECK(t->dim() == 1 && t->size(0) == D, op, ": ", name, " must have shape [", D,
              "] (D = q.size(2)), got ", t->sizes());
     DX_CHECK(t->stride(0) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
-             "rope_append: ", name, " must be contiguous and 16-byte aligned");
+             op, ": ", name, " must be contiguous and 16-byte aligned");
     for (const at::Tensor* written : written_tensors) {
-      DX_CHECK(!spans_overlap(*t, *written), "rope_append: ", name,
-               " must not overlap q, k or the caches (they are written while it is read)");
+      DX_CHECK(!spans_overlap(*t, *written), op, ": ", name,
+               " must not overlap ", written_names, " (written while it is read)");
     }
   }
   n.q = reinterpret_cast<const __nv_bfloat16*>(q_norm->data_ptr());
   n.k = reinterpret_cast<const __nv_bfloat16*>(k_norm->data_ptr());
-  n.eps = check_rms_eps("rope_append", *norm_eps, "norm_eps");
+  n.eps = check_rms_eps(op, *norm_eps, "norm_eps");
   return n;
 }
 
@@ -317,7 +288,8 @@ void rope_append(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Te
   const RopeShapes a = check_rope_append("rope_append", q, k, v, inv_freq, positions, k_cache,
                                          v_cache, rms_x, rms_eps, bias, false);
   const HeadNorms norms =
-      check_head_norms(q_norm, k_norm, norm_eps, a.D, q, {&q, &k, &k_cache, &v_cache});
+      check_head_norms("rope_append", q_norm, k_norm, norm_eps, a.D, q, "q, k or the caches",
+                       {&q, &k, &k_cache, &v_cache});
   const int64_t B = a.B, H = a.H, D = a.D, Hkv = a.Hkv, S = a.S;
   const RmsX& rx = a.rx;
   const __nv_bfloat16* bias_ptr = a.bias;
@@ -402,9 +374,13 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& lengths,
                            double scale, at::Tensor& workspace, at::Tensor& out, bool prefetch_cache,
                            const std::optional<at::Tensor>& rms_x, std::optional<double> rms_eps,
-                           const std::optional<at::Tensor>& bias) {
+                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& q_norm,
+                           const std::optional<at::Tensor>& k_norm, std::optional<double> norm_eps) {
   const RopeShapes a = check_rope_append("rope_append_attention", q, k, v, inv_freq, positions,
                                          k_cache, v_cache, rms_x, rms_eps, bias, true);
+  const HeadNorms norms = check_head_norms("rope_append_attention", q_norm, k_norm, norm_eps, a.D, q,
+                                           "the caches, workspace or out",
+                                           {&k_cache, &v_cache, &workspace, &out});
   const int64_t B = a.B;
   // Other blocks still read the inputs while a finished one writes out.
   for (const at::Tensor* t : {&q, &k, &v}) {
@@ -433,6 +409,9 @@ void rope_append_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   rope.K = static_cast<int>(a.rx.K);
   rope.rms_eps = a.rx.eps;
   rope.bias = a.bias;
+  rope.q_norm = norms.q;
+  rope.k_norm = norms.k;
+  rope.norm_eps = norms.eps;
   launch_decode_attention("rope_append_attention", q, k_cache, v_cache, lengths, scale, workspace,
                           out, prefetch_cache, &rope);
 }

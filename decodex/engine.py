@@ -36,9 +36,10 @@ row dead; last, each product's other plans are tried in turn with the rows readi
 After a wide qkv product (cuBLAS, lt_linear or the wide gemv), rope_append's work (the 1/rms scale,
 the bias, RoPE and the cache append) runs inside the attention kernel, rope_append_attention, where
 the attention has at least 2 splits per (row, KV head); otherwise rope_append runs as its own kernel
-before decode_attention (_fused_rope_attention). Qwen3 (per-head q and k norms, which only
-rope_append applies: its q_norm / k_norm) always takes that separate rope_append, after a plain qkv
-gemv where the other models take gemv_rope_append.
+before decode_attention (_fused_rope_attention). Qwen3 (per-head q and k norms, which the gemv's
+epilogue does not apply) takes a plain qkv gemv where the other models take gemv_rope_append, then
+rope_append_attention with q_norm / k_norm where the attention has at least 2 splits, else
+rope_append with them.
 
 Host loop (run): prefill each sequence into a free row, then replay steps; after each replay (and
 each prefill) the tokens buffer is copied into the next slot of a pinned host ring with
@@ -737,26 +738,23 @@ class CudaGraphRunner(HostLoop):
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
         rotated at the rows' positions, k and v appended to the caches there: gemv_rope_append, or
-        a product (cuBLAS or the wide gemv) then rope_append, or (append False, those plans)
-        the product alone, its rows left for rope_append_attention. Qwen3's q/k norms (layer.q_norm)
-        run in rope_append, after a plain gemv on the GEMV plans."""
+        a product (cuBLAS, the wide gemv, or a plain gemv where Qwen3's q/k norms must follow) then
+        rope_append, or (append False) that product alone, its rows left for rope_append_attention
+        (_rope_args says what the rope work after it takes)."""
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
-        norms = m.head_norms(layer)
-        assert append or not norms, "Qwen3's q/k norms need rope_append (_fused_rope_attention excludes them)"
-        if self._plan(n, "qkv") in WIDE_PLANS:
-            # With rms_eps, x is the residual: rope_append scales the product by 1/rms(x), then adds
-            # the bias.
-            scaled = rms_eps is not None
-            self._linear(n, "qkv", x, layer.qkv_w, None if scaled else layer.qkv_b, qkv)
+        wide, norms = self._plan(n, "qkv") in WIDE_PLANS, m.head_norms(layer)
+        if wide or norms or not append:
+            # A wide product with rms_eps reads the residual unscaled and leaves the bias out:
+            # the rope work after it scales the rows by 1/rms(x), then adds the bias.
+            scaled = wide and rms_eps is not None
+            if wide:
+                self._linear(n, "qkv", x, layer.qkv_w, None if scaled else layer.qkv_b, qkv)
+            else:
+                self._linear(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv, rms_eps=rms_eps)
             if append:
                 q, k, v, _ = self._views(n)
                 torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
-                                              **self._rope_scale(x, rms_eps, layer), **norms)
-        elif norms:
-            self._linear(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv, rms_eps=rms_eps)
-            if append:
-                q, k, v, _ = self._views(n)
-                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache, **norms)
+                                              **self._rope_args(n, x, rms_eps, layer))
         else:
             for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
@@ -765,18 +763,25 @@ class CudaGraphRunner(HostLoop):
 
     def _fused_rope_attention(self, n: int) -> bool:
         """Whether rope_append's work runs inside the attention kernel (rope_append_attention) in a
-        graph of n rows: after a wide qkv product (cuBLAS or the wide gemv), where the attention has
-        at least 2 splits per (row, KV head). Measured in the step (bench/RESULTS.md, session 11):
-        1.5-4% faster at 16-32 rows and 1.5B at 64 (2 splits); 1.7% slower at 7B, 64 rows (1 split)."""
-        return (self.fuse_rope_attention and self._plan(n, "qkv") in WIDE_PLANS
-                and self._splits[n] >= 2 and not self.config.qk_norm)  # its kernel has no q/k norms
+        graph of n rows, where the attention has at least 2 splits per (row, KV head): after a wide
+        qkv product (cuBLAS or the wide gemv), or for Qwen3 (q/k norms) after any product (the other
+        models' GEMV plans put rope_append in the qkv gemv's epilogue instead: gemv_rope_append).
+        Measured in the step (bench/RESULTS.md): after a wide product 1.5-4% faster at 16-32 rows and
+        1.5B at 64 (2 splits), 1.7% slower at 7B, 64 rows (1 split) (session 11); for Qwen3 at batch 1
+        against gemv, rope_append, decode_attention, 1% faster (30B-A3B, 1K) and 0-2.2% (1.7B, 1K to
+        32K) on an H100 (session 40)."""
+        return (self.fuse_rope_attention and self._splits[n] >= 2
+                and (self._plan(n, "qkv") in WIDE_PLANS or self.config.qk_norm))
 
-    @staticmethod
-    def _rope_scale(x, rms_eps, layer) -> dict:
-        """rope_append's rms_x / rms_eps / bias after a wide product of x: with rms_eps, x is the
-        residual, and the rows are scaled by 1/rms(x), then the bias (left out of the product) added."""
-        scaled = rms_eps is not None
-        return dict(rms_x=x if scaled else None, rms_eps=rms_eps, bias=layer.qkv_b if scaled else None)
+    def _rope_args(self, n: int, x, rms_eps, layer) -> dict:
+        """rope_append's (and rope_append_attention's) optional arguments after _qkv_rope's product
+        of x: after a wide product with rms_eps (x the residual, the product unscaled, without its
+        bias) rms_x / rms_eps / bias, so the rows are scaled by 1/rms(x) and the bias added; Qwen3's
+        q_norm / k_norm / norm_eps."""
+        args = self.model.head_norms(layer)
+        if self._plan(n, "qkv") in WIDE_PLANS and rms_eps is not None:
+            args.update(rms_x=x, rms_eps=rms_eps, bias=layer.qkv_b)
+        return args
 
     def _gate_up_silu(self, n: int, x, rms_eps, w, act) -> None:
         """act[n, I] = silu_mul(x[n, Hd] @ w^T) for the merged gate|up weight w [2I, Hd] (the
@@ -832,7 +837,7 @@ class CudaGraphRunner(HostLoop):
                 self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache, append=False)
                 ops.rope_append_attention(q, k, v, m.inv_freq, positions, k_cache, v_cache, lengths,
                                           self.scale, ws, attn3, prefetch_cache=True,
-                                          **self._rope_scale(x, rms_eps, layer))
+                                          **self._rope_args(n, x, rms_eps, layer))
             else:
                 self._qkv_rope(n, x, rms_eps, layer, k_cache, v_cache)  # q, k rotated; k, v appended
                 # prefetch_cache: the kernel ahead (the append) writes only row lengths - 1 of the cache.

@@ -302,10 +302,12 @@ def decode_attention(
 
 
 def rope_append_attention(q, k, v, inv_freq, positions, k_cache, v_cache, lengths, scale: float,
-                          rms_x=None, rms_eps: float | None = None, bias=None) -> torch.Tensor:
+                          rms_x=None, rms_eps: float | None = None, bias=None, q_norm=None, k_norm=None,
+                          norm_eps: float | None = None) -> torch.Tensor:
     """rope_append (writes the caches) then decode_attention with the rotated q; returns out
     [B, H, D]. q, k and v are not changed."""
-    q_rot, _ = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias)
+    q_rot, _ = rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias, q_norm,
+                           k_norm, norm_eps)
     return decode_attention(q_rot, k_cache, v_cache, lengths, scale)
 
 

@@ -363,7 +363,7 @@ MODELS = {
     # Llama: untied, llama3 RoPE scaling, q/k/v/o bias, head_dim 64.
     "llama-d64": dict(model_type="llama", tied=False, head_dim=64, rope_scaling=LLAMA3_SCALING,
                       attention_bias=True),
-    # Qwen3: q/k norms in rope_append on every plan, no bias.
+    # Qwen3: q/k norms (rope_append, or rope_append_attention where the attention has 2+ splits), no bias.
     "qwen3-d128": dict(model_type="qwen3", tied=True, head_dim=128),
     # Mistral: no biases; q is 4 x 128 wide, twice hidden_size (as in Mistral Nemo).
     "mistral-d128-wide-q": dict(model_type="mistral", tied=False, head_dim=128, rope_theta=1e6),
@@ -446,6 +446,9 @@ def test_graph_logits_match_fp32_reference(name):
     prompt = torch.randint(0, m.config.vocab_size, (37,)).tolist()
     run_and_check(f"{name} single", m, runner, [prompt], steps=64)
     assert runner.num_captures == 1
+    # Qwen3's q/k norms run inside the attention kernel (rope_append_attention): 2 splits here
+    assert runner._fused_rope_attention(1) == (m.config.qk_norm and runner._splits[1] >= 2)
+    assert runner._splits[1] >= 2
     # The same step outside the graph gives the same logits as the replay.
     runner.reset()
     runner.prefill_row(0, prompt)
@@ -619,7 +622,7 @@ def test_graph_batch_over_8_rows_uses_measured_linears(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen2-d128", "qwen3-d128"])  # qwen3: q/k norms in rope_append on each plan
+@pytest.mark.parametrize("name", ["qwen2-d128", "qwen3-d128"])  # qwen3: q/k norms on each plan
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("plan,max_batch,batch", [(p, 16, 11) for p in engine.PLANS] + [("gemv", 32, 27)])
 def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, fuse, name):
@@ -628,7 +631,8 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, 
     rope_append_attention, with fuse: the cache has 3 splits; the wide gemv's gate|up is one
     gemv_silu_mul where that takes the rows); and the fused decodex kernels over 8-row chunks (the
     last chunk partly dead rows). The 32-row graph runs the wide gemv on the wgmma kernel where it
-    exists (above 16 rows). Qwen3 never takes rope_append_attention (it has no q/k norms)."""
+    exists (above 16 rows). Qwen3 (q/k norms) takes rope_append_attention with fuse on every plan,
+    the gemv8 plan's plain gemv included."""
     m = models(name)
 
     def forced(self, n):
@@ -645,8 +649,8 @@ def test_graph_batch_over_8_rows_each_plan(monkeypatch, plan, max_batch, batch, 
     prompts = [torch.randint(0, m.config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 60, (batch,), generator=g)]
     run_and_check(f"{name} plan {plan} batch {batch} fuse {fuse}", m, runner, prompts, steps=8)
-    assert runner._fused_rope_attention(max_batch) == (fuse and plan in engine.WIDE_PLANS
-                                                       and not m.config.qk_norm)
+    assert runner._fused_rope_attention(max_batch) == (fuse and (plan in engine.WIDE_PLANS
+                                                                 or m.config.qk_norm))
 
 
 @pytest.mark.gpu

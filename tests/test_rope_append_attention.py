@@ -1,14 +1,15 @@
 """decodex::rope_append_attention: rope_append (RoPE on the unrotated q and k rows at positions[b], k
-and v appended at that row, after the optional 1/rms(rms_x) scale and bias) then decode_attention
-over lengths[b], in one kernel.
+and v appended at that row, after the optional 1/rms(rms_x) scale and bias and Qwen3's q/k head
+norms) then decode_attention over lengths[b], in one kernel.
 
 The contract is the composition: the caches and out must equal rope_append followed by
 decode_attention bit for bit (both are tested against the fp32 reference in their own files; the
 composition is also checked against reference.rope_append_attention here), and q, k, v must be left
 as they were. GPU tests cover the decode step's rows (positions = lengths - 1) and the odd ones (a dead
 row, a position past the length, length 0 with a position, a position past the capacity), both
-split merges, groups of more than 8 heads, prefetch_cache, CUDA-graph replay with positions and
-lengths changed on the device, and the argument checks. CPU tests: schema and fake impl.
+split merges, both tile paths (registers up to 8 rows, the shared-memory ring above), groups of more
+than 8 heads, q/k norms, prefetch_cache, CUDA-graph replay with positions and lengths changed on the
+device, and the argument checks. CPU tests: schema and fake impl.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from helpers import MERGES, capture_graph, qkv_views, set_merge
 
 THETA = 1_000_000.0
 RMS_EPS = 1e-6
+NORM_EPS = 1e-5
 
 
-def _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias, K=256):
+def _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias, with_norms=False, K=256):
     B = len(lengths)
     qkv, q, k, v = qkv_views(B, H, Hkv, D)
     kc = torch.randn(B, Hkv, S, D, device="cuda").to(torch.bfloat16)
@@ -31,10 +33,14 @@ def _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias, K=256):
     inv_freq = reference.rope_inv_freq(D, THETA).cuda()
     rms_x = (3.0 * torch.randn(B, K, device="cuda")).to(torch.bfloat16) if with_rms else None
     bias = (0.5 * torch.randn((H + 2 * Hkv) * D, device="cuda")).to(torch.bfloat16) if with_bias else None
+    # Qwen3's q/k norms: weights around 1, a different one for q and k
+    norms = (dict(q_norm=(1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16),
+                  k_norm=(1 + 0.3 * torch.randn(D, device="cuda")).to(torch.bfloat16), norm_eps=NORM_EPS)
+             if with_norms else {})
     pos = torch.tensor(positions, dtype=torch.int32, device="cuda")
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     return dict(qkv=qkv, q=q, k=k, v=v, kc=kc, vc=vc, inv_freq=inv_freq, rms_x=rms_x, bias=bias,
-                pos=pos, lens=lens)
+                norms=norms, pos=pos, lens=lens)
 
 
 def _composition(t, scale):
@@ -43,7 +49,7 @@ def _composition(t, scale):
     q, k, kc, vc = t["q"].clone(), t["k"].clone(), t["kc"].clone(), t["vc"].clone()
     eps = RMS_EPS if t["rms_x"] is not None else None
     torch.ops.decodex.rope_append(q, k, t["v"], t["inv_freq"], t["pos"], kc, vc, rms_x=t["rms_x"],
-                                  rms_eps=eps, bias=t["bias"])
+                                  rms_eps=eps, bias=t["bias"], **t["norms"])
     B, H, D = q.shape
     ws = dx_ops.attention_workspace(B, H, kc.shape[1], D, kc.shape[2], q.device)
     out = torch.full_like(q, float("nan"))
@@ -63,7 +69,7 @@ def _fused(t, scale, prefetch, kc=None, vc=None, out=None, ws=None):
         torch.cuda.synchronize()  # prefetch_cache: the kernel ahead (the clones) must be done
     torch.ops.decodex.rope_append_attention(q, t["k"], t["v"], t["inv_freq"], t["pos"], kc, vc, t["lens"],
                                             scale, ws, out, prefetch_cache=prefetch, rms_x=t["rms_x"],
-                                            rms_eps=eps, bias=t["bias"])
+                                            rms_eps=eps, bias=t["bias"], **t["norms"])
     return kc, vc, out
 
 
@@ -83,10 +89,16 @@ def _decode_rows(B, S, gen):
     return lengths, [n - 1 for n in lengths]
 
 
-# The ring path has 4 warps a block; the composition's decode_attention equals it bit for bit with as
-# many warps merging in the same order, so "cluster-8w" is left out, and every test here runs the
-# composition on 4 warps (the op would take 8 for a short cache at a small batch).
-RING_MERGES = [m for m in MERGES if not m.endswith("-8w")]
+# Up to REGISTER_ROWS rows the op takes decode_attention's register path, with as many warps as
+# decode_attention takes (DECODEX_ATTN_WARPS forces both); above, the ring path, always 4 warps a
+# block. The composition's decode_attention equals the op bit for bit with as many warps merging in
+# the same order, so the ring path's cases leave "cluster-8w" out, and every test here that does not
+# set a merge runs both on 4 warps.
+REGISTER_ROWS = 8
+
+
+def merges_for(B):
+    return [m for m in MERGES if B <= REGISTER_ROWS or not m.endswith("-8w")]
 
 
 @pytest.fixture(autouse=True)
@@ -99,59 +111,66 @@ HEADS = [(12, 2, 128), (28, 4, 128), (9, 3, 64), (32, 2, 128), (4, 4, 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", RING_MERGES)
+@pytest.mark.parametrize("B,S,merge", [(B, S, m) for B, S in [(1, 1000), (1, 5000), (5, 1100), (64, 1030)]
+                                       for m in merges_for(B)], ids=str)
 @pytest.mark.parametrize("H,Hkv,D", HEADS)
-@pytest.mark.parametrize("B,S", [(1, 1000), (1, 5000), (5, 1100), (64, 1030)], ids=str)
-@pytest.mark.parametrize("with_rms,with_bias", [(True, True), (False, False), (False, True)])
-def test_equals_rope_append_then_attention(monkeypatch, merge, H, Hkv, D, B, S, with_rms, with_bias):
+# (rms, bias, q/k norms): the last two as Qwen3's steps have them after a plain gemv and a wide product
+@pytest.mark.parametrize("with_rms,with_bias,with_norms",
+                         [(True, True, False), (False, False, False), (False, True, False), (False, False, True),
+                          (True, False, True)])
+def test_equals_rope_append_then_attention(monkeypatch, merge, H, Hkv, D, B, S, with_rms, with_bias, with_norms):
     set_merge(monkeypatch, merge)
     gen = torch.Generator().manual_seed(B * 7 + S + H)
     lengths, positions = _decode_rows(B, S, gen)
     lengths[0], positions[0] = S, S - 1  # the last row of the cache
     if B > 1:
         lengths[1], positions[1] = 1, 0  # the first row alone
-    t = _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias)
+    t = _inputs(lengths, positions, H, Hkv, D, S, with_rms, with_bias, with_norms)
     _check_equal(t, D ** -0.5, prefetch=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", RING_MERGES)
+@pytest.mark.parametrize("B,merge", [(B, m) for B in (7, 12) for m in merges_for(B)], ids=str)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_odd_rows(monkeypatch, merge, prefetch):
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_odd_rows(monkeypatch, B, merge, prefetch, with_norms):
     """A dead row (position -1, length 0), a position past the length (appended, not attended), a
     length-0 row with a position (appended by split 0; zeros out), a position past the capacity
     (nothing appended, q unrotated), a position inside the length (the row attended is the new one)
-    and ordinary rows."""
+    and ordinary rows: 7 rows (the register path) or 12 (the ring path)."""
     set_merge(monkeypatch, merge)
     S = 700
-    lengths = [0, 300, 0, 50, 400, 699, 1]
-    positions = [-1, 450, 20, S + 5, 100, 698, 0]
-    t = _inputs(lengths, positions, 12, 2, 128, S, with_rms=True, with_bias=True)
+    lengths = [0, 300, 0, 50, 400, 699, 1, 650, 2, 129, 128, 0][:B]
+    positions = [-1, 450, 20, S + 5, 100, 698, 0, 649, 1, 128, 127, -1][:B]
+    t = _inputs(lengths, positions, 12, 2, 128, S, with_rms=True, with_bias=True, with_norms=with_norms)
     _check_equal(t, 0.1, prefetch)
 
 
 @pytest.mark.gpu
-def test_matches_reference():
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_matches_reference(with_norms):
     """The composition the op equals, against reference.rope_append_attention (fp32 attention)."""
     S = 300
     lengths, positions = [300, 17, 129], [299, 16, 128]
-    t = _inputs(lengths, positions, 12, 2, 128, S, with_rms=True, with_bias=True)
+    t = _inputs(lengths, positions, 12, 2, 128, S, with_rms=True, with_bias=True, with_norms=with_norms)
     kc, vc, out = _fused(t, 128 ** -0.5, prefetch=False)
     kc_ref, vc_ref = t["kc"].clone(), t["vc"].clone()
     want = reference.rope_append_attention(t["q"], t["k"], t["v"], t["inv_freq"], t["pos"], kc_ref, vc_ref,
-                                           t["lens"], 128 ** -0.5, t["rms_x"], RMS_EPS, t["bias"])
+                                           t["lens"], 128 ** -0.5, t["rms_x"], RMS_EPS, t["bias"], **t["norms"])
     torch.testing.assert_close(kc.float(), kc_ref.float(), rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(vc, vc_ref)
     torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=2e-2)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_positions_advance_on_device():
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_cuda_graph_positions_advance_on_device(with_norms):
     """One captured call replayed while positions and lengths grow on the device: each replay equals
     the composition at that step (the caches carry over)."""
     S, B, H, Hkv, D = 600, 3, 12, 2, 128
     lengths = [5, 130, 511]
-    t = _inputs(lengths, [n - 1 for n in lengths], H, Hkv, D, S, with_rms=True, with_bias=False)
+    t = _inputs(lengths, [n - 1 for n in lengths], H, Hkv, D, S, with_rms=not with_norms, with_bias=False,
+                with_norms=with_norms)
     kc, vc = t["kc"].clone(), t["vc"].clone()
     ws = dx_ops.attention_workspace(B, H, Hkv, D, S, "cuda")
     out = torch.empty_like(t["q"])
@@ -182,7 +201,8 @@ def test_rejects():
                  out=torch.empty_like(t["q"]))
         a.update(kw)
         f(a["q"], a["k"], a["v"], a["inv_freq"], a["positions"], a["k_cache"], a["v_cache"], a["lengths"],
-          a["scale"], a["workspace"], a["out"], **{k: v for k, v in kw.items() if k in ("rms_x", "rms_eps", "bias")})
+          a["scale"], a["workspace"], a["out"],
+          **{k: v for k, v in kw.items() if k in ("rms_x", "rms_eps", "bias", "q_norm", "k_norm", "norm_eps")})
 
     with pytest.raises(RuntimeError, match="out must not overlap q, k or v"):
         call(out=t["q"])
@@ -206,6 +226,19 @@ def test_rejects():
         call(workspace=ws[:, :, :1].contiguous())
     with pytest.raises(RuntimeError, match="lengths"):
         call(lengths=t["lens"].long())
+    w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rope_append_attention: q_norm, k_norm and norm_eps go together"):
+        call(q_norm=w, k_norm=w)
+    with pytest.raises(RuntimeError, match=r"rope_append_attention: k_norm must have shape \[128\]"):
+        call(q_norm=w, k_norm=w[:64], norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rope_append_attention: q_norm must have dtype BFloat16"):
+        call(q_norm=w.float(), k_norm=w, norm_eps=1e-6)
+    with pytest.raises(RuntimeError, match="rope_append_attention: norm_eps must be finite"):
+        call(q_norm=w, k_norm=w, norm_eps=float("inf"))
+    out = torch.empty_like(t["q"])
+    with pytest.raises(RuntimeError, match="rope_append_attention: k_norm must not overlap the caches, "
+                                           "workspace or out"):
+        call(out=out, q_norm=w, k_norm=out[0, 0], norm_eps=1e-6)
 
 
 @pytest.mark.ext
@@ -214,7 +247,8 @@ def test_schema():
     assert schema == ("decodex::rope_append_attention(Tensor q, Tensor k, Tensor v, Tensor inv_freq, "
                       "Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, "
                       "float scale, Tensor(c!) workspace, Tensor(d!) out, bool prefetch_cache=False, "
-                      "Tensor? rms_x=None, float? rms_eps=None, Tensor? bias=None) -> ()"), schema
+                      "Tensor? rms_x=None, float? rms_eps=None, Tensor? bias=None, Tensor? q_norm=None, "
+                      "Tensor? k_norm=None, float? norm_eps=None) -> ()"), schema
 
 
 @pytest.mark.ext
@@ -232,9 +266,10 @@ def test_fake_tensor_mode():
                                                        torch.empty_like(q)) is None
 
 
-def test_reference_is_the_composition():
-    """reference.rope_append_attention on the CPU: rope_append (its rms_x / rms_eps / bias passed
-    through in that order) then decode_attention with the rotated q; inputs kept."""
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_reference_is_the_composition(with_norms):
+    """reference.rope_append_attention on the CPU: rope_append (its rms_x / rms_eps / bias and q/k
+    norms passed through in that order) then decode_attention with the rotated q; inputs kept."""
     torch.manual_seed(0)
     B, H, Hkv, D, S, K = 2, 4, 2, 16, 10, 24
     q, k, v = torch.randn(B, H, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
@@ -242,10 +277,11 @@ def test_reference_is_the_composition():
     inv = reference.rope_inv_freq(D, THETA)
     pos, lens = torch.tensor([3, 9]), torch.tensor([4, 10])
     rms_x, bias = 3.0 * torch.randn(B, K), torch.randn((H + 2 * Hkv) * D)
+    norms = dict(q_norm=1 + 0.3 * torch.randn(D), k_norm=1 + 0.3 * torch.randn(D), norm_eps=NORM_EPS) if with_norms else {}
     q0, kc0, vc0, kc2, vc2 = q.clone(), kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    out = reference.rope_append_attention(q, k, v, inv, pos, kc, vc, lens, 0.25, rms_x, RMS_EPS, bias)
+    out = reference.rope_append_attention(q, k, v, inv, pos, kc, vc, lens, 0.25, rms_x, RMS_EPS, bias, **norms)
     assert torch.equal(q, q0)
-    q_rot, _ = reference.rope_append(q, k, v, inv, pos, kc2, vc2, rms_x=rms_x, rms_eps=RMS_EPS, bias=bias)
+    q_rot, _ = reference.rope_append(q, k, v, inv, pos, kc2, vc2, rms_x=rms_x, rms_eps=RMS_EPS, bias=bias, **norms)
     assert torch.equal(out, reference.decode_attention(q_rot, kc2, vc2, lens, 0.25))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert not torch.equal(kc[0, :, 3], kc0[0, :, 3]) and not torch.equal(vc[1, :, 9], vc0[1, :, 9])  # appended
