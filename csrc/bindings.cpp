@@ -72,8 +72,8 @@ TORCH_LIBRARY(decodex, m) {
   // rope_append(q, k, v, inv_freq, positions, k_cache, v_cache, rms_x, rms_eps, bias, q_norm, k_norm,
   // norm_eps) then decode_attention(q, k_cache, v_cache, lengths, scale, workspace, out) in one
   // kernel, equal to the two bit for bit in the caches and out; q, k and v (the unrotated product
-  // rows) are only read. prefetch_cache: the kernel just before writes no cache row, lengths nor
-  // positions.
+  // rows) are only read. prefetch_cache: the kernel just before writes no cache row, nor lengths,
+  // positions, inv_freq, q_norm or k_norm.
   m.def("rope_append_attention(Tensor q, Tensor k, Tensor v, Tensor inv_freq, Tensor positions, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, float scale, Tensor(c!) workspace, "
         "Tensor(d!) out, bool prefetch_cache=False, Tensor? rms_x=None, float? rms_eps=None, "

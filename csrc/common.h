@@ -393,15 +393,15 @@ __device__ __forceinline__ float rms_inv(float sumsq, int K, float eps) {
   return rsqrtf(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(K)), eps));
 }
 
-// Qwen3's norm of one q or k head (rope_append, rope_append_attention), on one work item's 16 values of it (x1: elements c0..c0+7, x2:
-// half+c0..): the head's fp32 sum of squares over its `slices` items, which are `slices` aligned
+// Qwen3's norm of one q or k head (rope_append, rope_append_attention), on one work item's 16 values
+// of it (x1: elements c0..c0+7, x2: half+c0..; w1, w2: the norm weight's same elements, loaded by
+// the caller): the head's fp32 sum of squares over its `slices` items, which are `slices` aligned
 // consecutive lanes of one warp, all active (items come in whole heads, and blockDim.x is a multiple
 // of 32, which `slices` divides: the host checks D/16 is a power of two up to 32); then each value
 // times 1/rms(head) times w, rounded to bf16 as decodex.reference.rms_norm stores it. Every lane of
 // the group gets the same sum (a butterfly of commutative adds), so the two halves agree.
-__device__ __forceinline__ void head_rms_norm(float (&x1)[8], float (&x2)[8],
-                                              const __nv_bfloat16* __restrict__ w, int c0, int half,
-                                              int slices, float eps) {
+__device__ __forceinline__ void head_rms_norm(float (&x1)[8], float (&x2)[8], const bf16x8& w1raw,
+                                              const bf16x8& w2raw, int half, int slices, float eps) {
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) ss = __fmaf_rn(x1[j], x1[j], ss);
@@ -413,8 +413,8 @@ __device__ __forceinline__ void head_rms_norm(float (&x1)[8], float (&x2)[8],
   for (int o = 1; o < slices; o <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(group, ss, o));
   const float inv = rms_inv(ss, 2 * half, eps);
   float w1[8], w2[8];
-  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + c0), w1);
-  bf16x8_to_float(*reinterpret_cast<const bf16x8*>(w + half + c0), w2);
+  bf16x8_to_float(w1raw, w1);
+  bf16x8_to_float(w2raw, w2);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     x1[j] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(x1[j], inv), w1[j])));

@@ -446,11 +446,33 @@ __device__ __forceinline__ void rope_load(const AttnRope& rope, const __nv_bfloa
   if (rope.rms_x != nullptr) load_squares(rope.rms_x + (int64_t)b * rope.x_bstride, rope.K, l.sq);
 }
 
+// The prologue's constant inputs, which no kernel of the decode step writes: the item's q_norm or
+// k_norm slices (items as RopeItem with kv, the most a block has) and thread i's inv_freq[i] (i < D /
+// 2, one angle a thread). Loaded before the PDL wait where the tiles are, so that after the wait the
+// prologue waits for one memory round trip (q, k, v), not also for the norm weights after the sums
+// of squares (0.3-0.5% of the Qwen3 steps on an H100: bench/RESULTS.md, session 40).
+struct RopeConsts {
+  bf16x8 w1 = {}, w2 = {};
+  float inv_freq = 0.f;
+};
+
+template <int D>
+__device__ __forceinline__ void rope_consts(const AttnRope& rope, int heads, RopeConsts& c) {
+  const RopeItem<D> item(threadIdx.x, heads, true);
+  if (rope.q_norm != nullptr && static_cast<int>(threadIdx.x) < item.items && item.which < 2) {
+    const __nv_bfloat16* w = item.which == 0 ? rope.q_norm : rope.k_norm;
+    c.w1 = *reinterpret_cast<const bf16x8*>(w + item.c0);
+    c.w2 = *reinterpret_cast<const bf16x8*>(w + D / 2 + item.c0);
+  }
+  static_assert(D / 2 <= kWarps * 32, "one angle a thread");
+  if (threadIdx.x < D / 2) c.inv_freq = rope.inv_freq[threadIdx.x];
+}
+
 template <int D>
 __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const RopeLoads& l,
-                                              __nv_bfloat16* k_cache_row, __nv_bfloat16* v_cache_row,
-                                              int b, int kvh, int head0, int heads, int H, int Hkv,
-                                              int pos, bool kv, bool append,
+                                              const RopeConsts& rc, __nv_bfloat16* k_cache_row,
+                                              __nv_bfloat16* v_cache_row, int b, int kvh, int head0,
+                                              int heads, int H, int Hkv, int pos, bool kv, bool append,
                                               __nv_bfloat16 (&sm_q)[kHeadsPerBlock][D],
                                               __nv_bfloat16 (&sm_kv)[2][D]) {
   __shared__ float cs[D];  // cos [D/2], then sin [D/2]
@@ -462,13 +484,11 @@ __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const RopeLo
                                  scratch),
                        rope.K, rope.rms_eps)
              : 1.f;
-  if (pos >= 0) {
-    for (int i = threadIdx.x; i < D / 2; i += kWarps * 32) {
-      float c, s;
-      rope_cos_sin(pos, rope.inv_freq[i], c, s);
-      cs[i] = c;
-      cs[D / 2 + i] = s;
-    }
+  if (pos >= 0 && threadIdx.x < D / 2) {
+    float c, s;
+    rope_cos_sin(pos, rc.inv_freq, c, s);
+    cs[threadIdx.x] = c;
+    cs[D / 2 + threadIdx.x] = s;
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < item.items) {
@@ -483,7 +503,7 @@ __device__ __forceinline__ void rope_prologue(const AttnRope& rope, const RopeLo
       // Qwen3's head norms: a head's D / 16 items are aligned consecutive lanes, all here (items
       // come in whole heads, and pos is uniform).
       if (rope.q_norm != nullptr && item.which < 2) {
-        head_rms_norm(x1, x2, item.which == 0 ? rope.q_norm : rope.k_norm, c0, D / 2, D / 16, rope.norm_eps);
+        head_rms_norm(x1, x2, rc.w1, rc.w2, D / 2, D / 16, rope.norm_eps);
       }
       if (item.which < 2) {
         float o1[8], o2[8];
@@ -552,7 +572,8 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
     const AttnRope rope) {
   // Without prefetch_cache nothing is read before the wait; with it, lengths and the cache rows
   // below lengths[b] - 1 are (the caller's promise: the kernel ahead writes neither); kRope: also
-  // positions and every cache row (the kernel ahead writes no cache row; this one appends).
+  // positions, every cache row (the kernel ahead writes no cache row; this one appends), inv_freq
+  // and the q/k norm weights (rope_consts).
   if (!prefetch_cache) pdl_wait();
 
   const int split = blockIdx.x;
@@ -618,6 +639,8 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
     load_tile<D>(buf0, k_rows, v_rows, base, old_end, g, t);
     load_tile<D>(buf1, k_rows, v_rows, base + kStep, old_end, g, t);
   }
+  RopeConsts rope_c;
+  if constexpr (kRope) rope_consts<D>(rope, heads, rope_c);
   pdl_begin();  // (the wait again is free) also lets the combine kernel launch; it waits for us
 
   __nv_bfloat16* out_rows = out + ((int64_t)b * H + head0) * D;
@@ -635,7 +658,7 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
       rope_load<D>(rope, q + (int64_t)b * q_bstride + (int64_t)head0 * D, b, kvh, heads, kv,
                    rope_loads);
       const int64_t cache_row = ((int64_t)kvh * S + max(pos, 0)) * D;
-      rope_prologue<D>(rope, rope_loads,
+      rope_prologue<D>(rope, rope_loads, rope_c,
                        const_cast<__nv_bfloat16*>(k_cache) + (int64_t)b * k_bstride + cache_row,
                        const_cast<__nv_bfloat16*>(v_cache) + (int64_t)b * v_bstride + cache_row, b,
                        kvh, head0, heads, H, H / group, pos, kv, append, sm_q, sm_kv);

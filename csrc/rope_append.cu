@@ -113,7 +113,9 @@ rope_append_kernel(__nv_bfloat16* __restrict__ q,  // [B, H, D], row stride q_st
     prepared(a1, head, c0, x1);
     prepared(a2, head, half + c0, x2);
     if (q_norm != nullptr && head < H + Hkv) {  // uniform over the head's lanes
-      head_rms_norm(x1, x2, head < H ? q_norm : k_norm, c0, half, slices, norm_eps);
+      const __nv_bfloat16* w = head < H ? q_norm : k_norm;
+      head_rms_norm(x1, x2, *reinterpret_cast<const bf16x8*>(w + c0),
+                    *reinterpret_cast<const bf16x8*>(w + half + c0), half, slices, norm_eps);
     }
     if (head < H + Hkv) {
       float o1[8], o2[8];
