@@ -619,7 +619,8 @@ __global__ void __launch_bounds__(W * 32, 2 * kWarps / W) decode_attention_split
   // requested before the wait. Without kRope the register path leaves out row len - 1, which the
   // kernel ahead may be writing (the decode step's append), and loads a tile holding it again after
   // the wait; kRope patches row pos from the prologue instead (the kernel ahead writes no cache row).
-  static_assert(!kRing || (kRope && W == kWarps), "the ring path is rope_append_attention's, kWarps warps");
+  static_assert(!kRing || (kRope && W == kWarps),
+                "the ring path is rope_append_attention's, with kWarps warps");
   constexpr int kStep = W * kTile;
   constexpr int kSlotBytes = kTileBytes<D>;
   extern __shared__ __align__(128) unsigned char ring_smem[];
@@ -1036,6 +1037,15 @@ int split_warps(bool in_cluster, int64_t blocks, int device) {
   }
   return in_cluster && 4 * blocks <= sm_count(device) ? 2 * kWarps : kWarps;
 }
+
+// The register path's split kernel with `warps` warps (split_warps), with rope_append's prologue
+// (kRope) or without.
+template <int D, bool kRope>
+auto* register_split_kernel(int warps) {
+  return warps == 2 * kWarps ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
+                             : decode_attention_split_kernel<D, kRope, false, kWarps>;
+}
+
 }  // namespace
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -1145,11 +1155,8 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(Hkv * head_blocks),
                     static_cast<unsigned>(B));
     auto* kernel = ring ? decode_attention_split_kernel<kD, true, true, kWarps>
-                   : rope != nullptr
-                       ? (warps == 2 * kWarps ? decode_attention_split_kernel<kD, true, false, 2 * kWarps>
-                                              : decode_attention_split_kernel<kD, true, false, kWarps>)
-                       : (warps == 2 * kWarps ? decode_attention_split_kernel<kD, false, false, 2 * kWarps>
-                                              : decode_attention_split_kernel<kD, false, false, kWarps>);
+                   : rope != nullptr ? register_split_kernel<kD, true>(warps)
+                                     : register_split_kernel<kD, false>(warps);
     const int smem = ring ? kRingBytes<kD> : 0;  // the ring path's ring
     if (smem > 0) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, q.get_device(), op);
     cudaError_t err = launch_pdl_clusters(

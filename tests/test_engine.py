@@ -446,9 +446,9 @@ def test_graph_logits_match_fp32_reference(name):
     prompt = torch.randint(0, m.config.vocab_size, (37,)).tolist()
     run_and_check(f"{name} single", m, runner, [prompt], steps=64)
     assert runner.num_captures == 1
-    # Qwen3's q/k norms run inside the attention kernel (rope_append_attention): 2 splits here
-    assert runner._fused_rope_attention(1) == (m.config.qk_norm and runner._splits[1] >= 2)
+    # 2 splits here, so Qwen3's q/k norms run inside the attention kernel (rope_append_attention)
     assert runner._splits[1] >= 2
+    assert runner._fused_rope_attention(1) == m.config.qk_norm
     # The same step outside the graph gives the same logits as the replay.
     runner.reset()
     runner.prefill_row(0, prompt)

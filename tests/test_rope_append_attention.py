@@ -277,7 +277,9 @@ def test_reference_is_the_composition(with_norms):
     inv = reference.rope_inv_freq(D, THETA)
     pos, lens = torch.tensor([3, 9]), torch.tensor([4, 10])
     rms_x, bias = 3.0 * torch.randn(B, K), torch.randn((H + 2 * Hkv) * D)
-    norms = dict(q_norm=1 + 0.3 * torch.randn(D), k_norm=1 + 0.3 * torch.randn(D), norm_eps=NORM_EPS) if with_norms else {}
+    norms = {}
+    if with_norms:
+        norms = dict(q_norm=1 + 0.3 * torch.randn(D), k_norm=1 + 0.3 * torch.randn(D), norm_eps=NORM_EPS)
     q0, kc0, vc0, kc2, vc2 = q.clone(), kc.clone(), vc.clone(), kc.clone(), vc.clone()
     out = reference.rope_append_attention(q, k, v, inv, pos, kc, vc, lens, 0.25, rms_x, RMS_EPS, bias, **norms)
     assert torch.equal(q, q0)
