@@ -58,6 +58,7 @@ __device__ __forceinline__ float squares8(uint4 x, float acc) {
 // above the complemented index, so the unsigned max is the largest logit at the lowest index, and a
 // warp picks it in one redux.sync. NaN counts as -inf; -0 as +0 (equal logits tie, as the
 // reference's stable sort has them). Every key is above 0, which means "none left".
+static_assert(kRouteMaxExperts <= 0x10000, "route_key holds the expert index in 16 bits");
 __device__ __forceinline__ unsigned route_key(float x, int e) {
   x = isnan(x) ? -INFINITY : __fadd_rn(x, 0.f);
   const unsigned bits = __float_as_uint(x) >> 16;  // exact: x came from bf16

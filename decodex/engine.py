@@ -744,17 +744,14 @@ class CudaGraphRunner(HostLoop):
         m, qkv, positions = self.model, self.qkv[:n], self.positions[:n]
         wide, norms = self._plan(n, "qkv") in WIDE_PLANS, m.head_norms(layer)
         if wide or norms or not append:
-            # A wide product with rms_eps reads the residual unscaled and leaves the bias out:
-            # the rope work after it scales the rows by 1/rms(x), then adds the bias.
-            scaled = wide and rms_eps is not None
-            if wide:
-                self._linear(n, "qkv", x, layer.qkv_w, None if scaled else layer.qkv_b, qkv)
-            else:
-                self._linear(n, "qkv", x, layer.qkv_w, layer.qkv_b, qkv, rms_eps=rms_eps)
+            # A wide product reads x unscaled; with rms_eps (x the residual) the rope work after it
+            # scales the rows by 1/rms(x), then adds the bias the product left out (args).
+            args = self._rope_args(n, x, rms_eps, layer)
+            self._linear(n, "qkv", x, layer.qkv_w, None if "bias" in args else layer.qkv_b, qkv,
+                         rms_eps=None if wide else rms_eps)
             if append:
                 q, k, v, _ = self._views(n)
-                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache,
-                                              **self._rope_args(n, x, rms_eps, layer))
+                torch.ops.decodex.rope_append(q, k, v, m.inv_freq, positions, k_cache, v_cache, **args)
         else:
             for s in self._gemv_rows(n, "qkv"):
                 torch.ops.decodex.gemv_rope_append(x[s], layer.qkv_w, layer.qkv_b, m.inv_freq, positions[s],
