@@ -18,7 +18,7 @@
 // routing. A warp computes one output: moe_gemv_silu_mul one feature of one (row, slot) (its gate
 // and up rows), moe_gemv_sum one output feature of one row over all k experts, so the weighted sum
 // needs no second pass and is added in one fixed order. Lanes stride over the inner dim in 16-byte
-// loads, software-pipelined (the next kMoeUnroll chunks of a row issued before the current ones are
+// loads, software-pipelined (the next trip of chunks of a row issued before the current ones are
 // used), and their sums meet in a shuffle reduction. An expert chosen by several rows is read once
 // per (row, slot): at the few rows of a decode step that costs little (mostly L2 hits); prompts
 // (many rows) take grouped GEMMs instead (decodex/model.py). moe_gemv_silu_mul cannot load its
@@ -34,7 +34,8 @@ namespace decodex {
 namespace {
 
 constexpr int kMoeWarps = 8;             // warps (outputs) per block of the expert kernels
-constexpr int kMoeUnroll = 4;            // 16-byte chunks per weight row a lane loads per trip
+constexpr int kMoeUnroll = 4;            // moe_gemv_silu_mul: 16-byte chunks a row a lane loads a trip
+constexpr int kSumUnroll = 3;            // moe_gemv_sum's: one trip is a row of 768 (Qwen3-30B-A3B's I)
 constexpr int kMoeMaxTopK = 32;          // k: moe_gemv_sum keeps a row's ids and weights in smem
 constexpr int kRouteWarps = 4;           // moe_route: rows per block, one warp each
 constexpr int kRouteMaxExperts = 1024;   // 32 logits a lane
@@ -136,10 +137,10 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
 }
 
 // ---- the expert GEMVs ----
-// A lane's loads come in trips of kMoeUnroll 16-byte chunks per row (chunk c = c0 + 32 t), and the
-// next trip's are issued before the current trip's math (software pipelining: ptxas would otherwise
-// interleave each load with its use, leaving one chunk a row in flight). Chunks past the row are
-// predicated off (zeros, no load), so they add nothing.
+// A lane's loads come in trips of kMoeUnroll (moe_gemv_sum: kSumUnroll) 16-byte chunks per row
+// (chunk c = c0 + 32 t), and the next trip's are issued before the current trip's math (software
+// pipelining: ptxas would otherwise interleave each load with its use, leaving one chunk a row in
+// flight). Chunks past the row are predicated off (zeros, no load), so they add nothing.
 
 // grid (ceil(I / kMoeWarps), M * k): block y is the pair (m, s); warp w computes feature j = block x
 // * kMoeWarps + w of it: its gate row j and up row I + j of expert ids[m, s].
@@ -205,15 +206,19 @@ moe_gemv_silu_mul_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride,
 }
 
 // grid (ceil(N / kMoeWarps), M): warp w of block (bx, m) computes output feature n = bx * kMoeWarps
-// + w of row m, over its k experts: the trips of all k rows of weight in one pipelined walk, each
-// slot's dot product reduced as it completes and added in slot order. (A block per output feature,
-// a warp per expert, was slower on the H200: 12.8 against 10.2 us at Qwen3-30B-A3B's shape, M = 1;
-// bench/RESULTS.md, session 36.) Two register buffers take the trips in turn (no moves between
-// them): while one trip is summed, the other is in flight. With prefetch_weight the ids, the
-// weights and both buffers' first trips of expert weights are read before griddepcontrol.wait (the
-// caller promises the kernel ahead writes none of them: in the decode step moe_route, which writes
-// ids and weights, runs two kernels ahead); x, which the kernel ahead writes, is read after it.
-__global__ void __launch_bounds__(kMoeWarps * 32)
+// + w of row m, over its k experts: the trips of all k rows of weight (kSumUnroll chunks a lane a
+// trip) in one pipelined walk, each slot's dot product reduced as it completes and added in slot
+// order. (A block per output feature, a warp per expert, was slower on the H200: 12.8 against 10.2
+// us at Qwen3-30B-A3B's shape, M = 1; bench/RESULTS.md, session 36.) NB register buffers take the
+// trips in turn (no moves between them): while one trip is summed, the other NB - 1 are in flight.
+// NB = 3 (104 registers, 2 blocks an SM) for grids of up to two such waves, else NB = 2 (80
+// registers, 3 blocks an SM); more buffers were slower (bench/RESULTS.md, session 41). With
+// prefetch_weight the ids, the weights and every buffer's first trip of expert weights are read
+// before griddepcontrol.wait (the caller promises the kernel ahead writes none of them: in the
+// decode step moe_route, which writes ids and weights, runs two kernels ahead); x, which the kernel
+// ahead writes, is read after it.
+template <int NB>
+__global__ void __launch_bounds__(kMoeWarps * 32, 2)
 moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
                     const __nv_bfloat16* __restrict__ w,  // [E, N, I]
                     const int* __restrict__ ids, const float* __restrict__ weights, int k, int E,
@@ -232,21 +237,22 @@ moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
   bool bad = false;
   for (int s = 0; s < k; ++s) bad |= sm_id[s] < 0 || sm_id[s] >= E;
   const int chunks = I / 8;
-  const int per_slot = (chunks + 32 * kMoeUnroll - 1) / (32 * kMoeUnroll);  // trips a slot
+  constexpr int U = kSumUnroll;
+  const int per_slot = (chunks + 32 * U - 1) / (32 * U);  // trips a slot
   const int trips = bad || n >= N ? 0 : k * per_slot;
   struct Trip {
-    uint4 w[kMoeUnroll], x[kMoeUnroll];
+    uint4 w[U], x[U];
   };
   auto locate = [&](int trip, int& c0, int& s) {
     s = trip < trips ? trip / per_slot : 0;
-    c0 = lane + (trip - s * per_slot) * 32 * kMoeUnroll;
+    c0 = lane + (trip - s * per_slot) * 32 * U;
   };
   auto load_w = [&](int trip, Trip& b) {
     int c0, s;
     locate(trip, c0, s);
     const __nv_bfloat16* wr = w + (static_cast<int64_t>(sm_id[s]) * N + n) * I;
 #pragma unroll
-    for (int t = 0; t < kMoeUnroll; ++t) {
+    for (int t = 0; t < U; ++t) {
       const int c = c0 + 32 * t;
       b.w[t] = load16_stream_l2_256(wr + 8 * c, trip < trips && c < chunks);
     }
@@ -256,7 +262,7 @@ moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
     locate(trip, c0, s);
     const __nv_bfloat16* xr = x + (static_cast<int64_t>(m) * k + s) * I;
 #pragma unroll
-    for (int t = 0; t < kMoeUnroll; ++t) {
+    for (int t = 0; t < U; ++t) {
       const int c = c0 + 32 * t;
       b.x[t] = load16_cached(xr + 8 * c, trip < trips && c < chunks);
     }
@@ -264,29 +270,29 @@ moe_gemv_sum_kernel(const __nv_bfloat16* __restrict__ x,  // [M, k, I]
   float d = 0.f, acc = 0.f;
   auto sum_trip = [&](int trip, const Trip& b) {
 #pragma unroll
-    for (int t = 0; t < kMoeUnroll; ++t) d = dot8(b.w[t], b.x[t], d);
+    for (int t = 0; t < U; ++t) d = dot8(b.w[t], b.x[t], d);
     if ((trip + 1) % per_slot == 0) {  // slot s done: weights[m, s] times its dot product
       acc = __fadd_rn(acc, __fmul_rn(sm_w[trip / per_slot], warp_reduce(d, Sum{})));
       d = 0.f;
     }
   };
-  Trip a, b;
-  load_w(0, a);
-  load_w(1, b);
+  Trip buf[NB];
+#pragma unroll
+  for (int i = 0; i < NB; ++i) load_w(i, buf[i]);
   if (prefetch_weight) {
     pdl_wait();
     pdl_trigger();
   }
   if (n >= N) return;  // a whole warp
-  load_x(0, a);
-  load_x(1, b);
-  for (int trip = 0; trip < trips; trip += 2) {
-    sum_trip(trip, a);
-    load_w(trip + 2, a);
-    load_x(trip + 2, a);
-    if (trip + 1 < trips) sum_trip(trip + 1, b);
-    load_w(trip + 3, b);
-    load_x(trip + 3, b);
+#pragma unroll
+  for (int i = 0; i < NB; ++i) load_x(i, buf[i]);
+  for (int trip = 0; trip < trips; trip += NB) {
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      if (trip + i < trips) sum_trip(trip + i, buf[i]);
+      load_w(trip + i + NB, buf[i]);
+      load_x(trip + i + NB, buf[i]);
+    }
   }
   if (lane == 0) {
     __nv_bfloat16* o = out + m * out_stride + n;
@@ -435,8 +441,11 @@ void moe_gemv_sum(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const dim3 grid(static_cast<unsigned>(ceil_div(N, kMoeWarps)), static_cast<unsigned>(M));
+  // Up to two waves of 2 blocks an SM (M <= 2 at Qwen3-30B-A3B's N): three buffers; more: two (3
+  // blocks an SM).
+  const bool deep = static_cast<int64_t>(grid.x) * grid.y <= 4 * sm_count(x.device().index());
   const cudaError_t err = launch_pdl(
-      moe_gemv_sum_kernel, grid, dim3(kMoeWarps * 32), 0, current_stream(),
+      deep ? moe_gemv_sum_kernel<3> : moe_gemv_sum_kernel<2>, grid, dim3(kMoeWarps * 32), 0, current_stream(),
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(weight.data_ptr()), ids.data_ptr<int>(),
       weights.data_ptr<float>(), static_cast<int>(k), static_cast<int>(E), static_cast<int>(N),
