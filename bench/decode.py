@@ -330,8 +330,8 @@ def profile_step(model, context: int, batch: int = 1, reps: int = 3, forced=None
         how = "eager step (the profiler saw no kernels inside the graph replay)"
     total_us = sum(v[1] for v in per_kernel.values()) / reps
     rows, crit_total = [], 0.0
-    for name, (calls, us, gaps, gap_us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
-        short = name if len(name) <= 90 else name[:87] + "..."
+    for kernel, (calls, us, gaps, gap_us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
+        short = kernel if len(kernel) <= 90 else kernel[:87] + "..."
         crit = gap_us / gaps * calls / reps if gaps else 0.0
         crit_total += crit
         rows.append([short, calls // reps, us / reps, crit, 100.0 * crit / (step_ms * 1000.0)])
