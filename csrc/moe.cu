@@ -67,9 +67,18 @@ __device__ __forceinline__ unsigned route_key(float x, int e) {
   return ord << 16 | (0xffffu - static_cast<unsigned>(e));
 }
 
+// route_key's expert index and logit (as the key holds it: NaN as -inf, -0 as +0).
+__device__ __forceinline__ int key_expert(unsigned key) { return static_cast<int>(0xffffu - (key & 0xffffu)); }
+__device__ __forceinline__ float key_logit(unsigned key) {
+  const unsigned ord = key >> 16;
+  const unsigned bits = (ord & 0x8000u) ? ord & 0x7fffu : ~ord & 0xffffu;
+  return __uint_as_float(bits << 16);
+}
+
 // One warp per row; lane l holds logits l, l + 32, ... (kPerLane of them: E <= 32 kPerLane) and its
-// best unchosen key. Each round a warp max picks the next expert, and only the lane that held it
-// looks for its next best.
+// best unchosen key. Each round a warp max picks the next expert, lane r keeps round r's key, and
+// only the lane that held it looks for its next best; then lanes r < k turn their keys into ids and
+// weights at once (the key holds the logit).
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * 32)
 moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M, int E, int k,
@@ -107,32 +116,22 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
     }
     return best;
   };
-  unsigned mine = lane_best();
-  float chosen_sum = 0.f, w_lane = 0.f;
-  int id_lane = 0;
+  unsigned mine = lane_best(), kept = 0;
   for (int r = 0; r < k; ++r) {
     const unsigned best = __reduce_max_sync(0xffffffffu, mine);
-    const int e = static_cast<int>(0xffffu - (best & 0xffffu));
-    float val = 0.f;  // the chosen logit, from its lane
+    if (lane == r) kept = best;
+    const int e = key_expert(best);
     if ((e & 31) == lane) {
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        if (j == (e >> 5)) val = v[j];
-      }
       taken |= 1u << (e >> 5);
       mine = lane_best();
     }
-    val = __shfl_sync(0xffffffffu, val, e & 31);
-    const float prob = __fdiv_rn(expf(val - mx), sum);
-    chosen_sum += prob;
-    if (lane == r) {
-      id_lane = e;
-      w_lane = prob;
-    }
   }
+  // A NaN logit (-inf in its key) has made sum NaN, and so every weight, as softmax does.
+  const float prob = lane < k ? __fdiv_rn(expf(key_logit(kept) - mx), sum) : 0.f;
+  const float chosen_sum = warp_reduce(prob, Sum{});
   if (lane < k) {
-    ids[m * k + lane] = id_lane;
-    weights[m * k + lane] = norm ? __fdiv_rn(w_lane, chosen_sum) : w_lane;
+    ids[m * k + lane] = key_expert(kept);
+    weights[m * k + lane] = norm ? __fdiv_rn(prob, chosen_sum) : prob;
   }
 }
 
