@@ -89,44 +89,34 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
   if (m >= M) return;  // a whole warp
   const __nv_bfloat16* row = logits + m * stride;
   float v[kPerLane];
-  float mx = -INFINITY;
+  unsigned key[kPerLane];  // 0: no expert there, or chosen already
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < E ? __bfloat162float(row[e]) : -INFINITY;
-    mx = fmaxf(mx, v[j]);  // fmaxf skips NaN
+    const float x = __bfloat162float(row[min(e, E - 1)]);  // no branch around the load
+    v[j] = e < E ? x : -INFINITY;
+    key[j] = e < E ? route_key(x, e) : 0u;
   }
-  mx = warp_reduce(mx, Max{});
-  float sum = 0.f;
+  auto best_key = [&] {  // the warp's largest key left
+    unsigned best = 0;
 #pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    if (lane + 32 * j < E) sum += expf(v[j] - mx);  // a NaN logit makes every weight NaN, as softmax
+    for (int j = 0; j < kPerLane; ++j) best = key[j] > best ? key[j] : best;
+    return __reduce_max_sync(0xffffffffu, best);
+  };
+  unsigned best = best_key();
+  const float mx = key_logit(best);  // the largest logit (NaN as -inf)
+  float sum = 0.f;  // a NaN logit makes it NaN, and so every weight, as softmax does
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) sum += lane + 32 * j < E ? expf(v[j] - mx) : 0.f;
+  unsigned kept = lane == 0 ? best : 0u;
+  for (int r = 1; r < k; ++r) {
+    const int e = key_expert(best);  // its lane drops it (every lane takes the same path)
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) key[j] = (e & 31) == lane && j == (e >> 5) ? 0u : key[j];
+    best = best_key();
+    if (lane == r) kept = best;
   }
   sum = warp_reduce(sum, Sum{});
-  unsigned taken = 0;  // bit j: expert lane + 32 j chosen
-  auto lane_best = [&] {
-    unsigned best = 0;  // no candidate left on this lane
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int e = lane + 32 * j;
-      if (e < E && !(taken >> j & 1u)) {
-        const unsigned key = route_key(v[j], e);
-        best = key > best ? key : best;
-      }
-    }
-    return best;
-  };
-  unsigned mine = lane_best(), kept = 0;
-  for (int r = 0; r < k; ++r) {
-    const unsigned best = __reduce_max_sync(0xffffffffu, mine);
-    if (lane == r) kept = best;
-    const int e = key_expert(best);
-    if ((e & 31) == lane) {
-      taken |= 1u << (e >> 5);
-      mine = lane_best();
-    }
-  }
-  // A NaN logit (-inf in its key) has made sum NaN, and so every weight, as softmax does.
   const float prob = lane < k ? __fdiv_rn(expf(key_logit(kept) - mx), sum) : 0.f;
   const float chosen_sum = warp_reduce(prob, Sum{});
   if (lane < k) {
