@@ -75,10 +75,12 @@ __device__ __forceinline__ float key_logit(unsigned key) {
   return __uint_as_float(bits << 16);
 }
 
-// One warp per row; lane l holds logits l, l + 32, ... (kPerLane of them: E <= 32 kPerLane) and its
-// best unchosen key. Each round a warp max picks the next expert, lane r keeps round r's key, and
-// only the lane that held it looks for its next best; then lanes r < k turn their keys into ids and
-// weights at once (the key holds the logit).
+// One warp per row; lane l holds logits l, l + 32, ... (kPerLane of them: E <= 32 kPerLane) and
+// their keys. Each round one warp max (redux.sync) over the lanes' largest keys picks the next
+// expert, whose lane zeroes its key, and lane r keeps round r's key; round 0's is the largest logit,
+// which the softmax needs. After the rounds, lanes r < k turn their keys into ids and weights at
+// once (the key holds the logit), so a round is a max and a compare, nothing more (moe_route was
+// 3.8 us a layer of the Qwen3-30B-A3B step with the softmax inside the rounds, 1.6 now: session 41).
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteWarps * 32)
 moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M, int E, int k,
