@@ -435,7 +435,7 @@ def live_step_ms(runner, batch: int, context: int) -> float:
 
 def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
     """The GEMV configurations that make the decode step fastest, chosen inside the step: for each
-    weight shape in turn (down, gate|up, qkv, o, lm_head), the step is captured once per kernel
+    weight shape in turn (down, gate|up or the router, qkv, o, lm_head), the step is captured once per kernel
     configuration of that shape (bench.gemv's list, forced through DECODEX_GEMV_CONFIG's per-shape
     form, the shapes before it at their kept choice) and its replays timed; a configuration is kept
     if it beats the step as it was by more than 0.3%. batch <= 4 tunes csrc/gemv.cu's M = 1 entries,
@@ -446,7 +446,9 @@ def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
     layer = model.layers[0]
-    every = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.qkv_w, layer.o_w, model.lm_head)]
+    # A mixture-of-experts layer has no down and gate|up products but a router GEMV.
+    every = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.router_w, layer.qkv_w, layer.o_w,
+                                      model.lm_head) if t is not None]
     missing = [s for s in shapes or () if s not in every]
     if missing:
         raise ValueError(f"--sweep-shapes {missing} are not weight shapes of this model ({every})")

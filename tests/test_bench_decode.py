@@ -115,7 +115,7 @@ def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
             ms = 1.0 - (0.1 if "32,256:1,1,1,4" in env else 0.0) - (0.001 if "48,32:1,1,1,8" in env else 0.0)
             return [ms] * steps
 
-    layer = types.SimpleNamespace(down_w=torch.empty(32, 256), gate_up_w=torch.empty(48, 32),
+    layer = types.SimpleNamespace(down_w=torch.empty(32, 256), gate_up_w=torch.empty(48, 32), router_w=None,
                                   qkv_w=torch.empty(40, 32), o_w=torch.empty(32, 32))
     model = types.SimpleNamespace(layers=[layer], lm_head=torch.empty(64, 32))
     monkeypatch.setattr(decode, "make_runner", lambda m, b, c: Runner())
@@ -127,6 +127,12 @@ def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
     later = [e for e in seen if "48,32:" in e or "40,32:" in e]
     assert later and all(e.startswith("32,256:1,1,1,4;") for e in later)
     assert "all kept: DECODEX_GEMV_CONFIG=\"32,256:1,1,1,4\"" in capsys.readouterr().out
+    # A mixture-of-experts layer: no down or gate|up product; the router's shape is swept instead.
+    seen.clear()
+    moe = types.SimpleNamespace(down_w=None, gate_up_w=None, router_w=torch.empty(8, 32),
+                                qkv_w=torch.empty(40, 32), o_w=torch.empty(32, 32))
+    assert decode.sweep_gemv(types.SimpleNamespace(layers=[moe], lm_head=torch.empty(64, 32)), 1, 1024) == {}
+    assert {e.split(":")[0] for e in seen if e} == {"8,32", "40,32", "32,32", "64,32"}
 
 
 def test_kernel_times_gaps():
