@@ -27,7 +27,7 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --no-hf --cases 16x1024,64x1024 --no-fused-rope   # rope_append + attention
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024 --sweep-shapes 37888x3584 \
-      --rms-in-gemv qkv+gate_up          # the RMS variant's configuration (csrc/gemv.cu kTunedRms)
+      --rms-in-gemv qkv+gate_up          # a shape tuned with the RMS scale inside (csrc/gemv.cu kTuned)
   python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
   python -m bench.decode --ab DECODEX_ATTN_CLUSTER=0 --models 7b --cases 1x1024   # A/B of a switch
   python -m bench.decode --no-hf --models 1.5b --cases 64x1024 --force-plans gate_up=gemv --profile

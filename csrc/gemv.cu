@@ -95,7 +95,8 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // (batches 2 to 4, which share the entry, were not timed with it). The wide ones are the best of
 // `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
 // cost model, which sees no x traffic, was up to 2.7x slower. The 8B entries at the end were chosen
-// alone (see there). Other shapes use the cost model.
+// alone (see there), Qwen3-30B-A3B's router and o inside its step on an H100. Other shapes use the
+// cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
@@ -130,6 +131,13 @@ constexpr TunedShape kTuned[] = {
     {24576, 4096, {2, 4, 1, 8}, kModel, kModel, kModel, kModel},      // Qwen3-8B gate|up
     {4096, 12288, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},      // Qwen3-8B down
     {151936, 4096, {2, 4, 2, 8}, kModel, kModel, kModel, kModel},     // Qwen3-8B lm_head
+    // Qwen3-30B-A3B's router (with the RMS scale) and o projection: swept inside the batch-1 step at
+    // 1K on an H100 (`python -m bench.decode --sweep-gemv --models qwen3-30b-a3b --cases 1x1024
+    // --sweep-shapes 128x2048`, then 2048x4096; session 41): the step 2.6676 -> 2.6386 ms and
+    // 2.6698 -> 2.6247 against the cost model's choices (a cluster at U = 4 for the router). Both
+    // have each warp's k-range in one trip.
+    {128, 2048, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},        // router
+    {2048, 4096, {1, 8, 2, 8}, kModel, kModel, kModel, kModel},       // o
 };
 
 GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
