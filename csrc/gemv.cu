@@ -135,7 +135,7 @@ constexpr TunedShape kTuned[] = {
     // 1K on an H100 (`python -m bench.decode --sweep-gemv --models qwen3-30b-a3b --cases 1x1024
     // --sweep-shapes 128x2048`, then 2048x4096; session 41): the step 2.6676 -> 2.6386 ms and
     // 2.6698 -> 2.6247 against the cost model's choices (a cluster at U = 4 for the router). Both
-    // have each warp's k-range in one trip.
+    // have each warp's k-range in one trip. Batches 2 to 4 share the entries, untimed with them.
     {128, 2048, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},        // router
     {2048, 4096, {1, 8, 2, 8}, kModel, kModel, kModel, kModel},       // o
 };
