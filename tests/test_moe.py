@@ -21,7 +21,7 @@ ROUTES = [(1, 8, 2), (1, 128, 8), (3, 60, 4), (5, 7, 7), (8, 128, 8), (2, 1000, 
 # (M, E, k, I, K): odd and real sizes (Qwen3-30B-A3B: I 768, K 2048), k = 32 (the most the ops
 # take), and I = 1544, 2056 and 1536, where moe_gemv_sum walks each expert row in 3, 3 and 2 trips.
 # moe_gemv_sum (K is its N) takes its three-buffer kernel up to 4 * SMs blocks (M * ceil(K / 8)),
-# the two-buffer one above (the last two sizes and M = 8).
+# the two-buffer one above (on a 132-SM H100 or H200: the last two sizes and M = 8).
 PRODUCTS = [(1, 4, 2, 8, 8), (1, 128, 8, 768, 2048), (3, 5, 3, 24, 264), (8, 16, 4, 136, 1000),
             (2, 3, 3, 1000, 72), (2, 40, 12, 64, 96), (1, 64, 32, 40, 24), (1, 4, 2, 1544, 72),
             (2, 6, 3, 2056, 40), (5, 16, 4, 768, 2048), (6, 8, 5, 1536, 1032)]
