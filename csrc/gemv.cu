@@ -143,19 +143,20 @@ constexpr TunedShape kTuned[] = {
     // Its qkv, swept the same way after the two above (session 42): 2.6035 -> 2.5800 ms.
     {5120, 2048, {1, 8, 1, 4}, kModel, kModel, kModel, kModel},       // qkv
     // Qwen3-1.7B, Qwen3-4B and Llama-3.2-1B, swept inside their steps at 1K on an H100 (session 42:
-    // `python -m bench.decode --sweep-gemv --models M --cases 1x1024` and 8x1024 for Qwen3-1.7B's
-    // M = 8 entries, each shape after the ones above it, LM heads left to the model). Against the
+    // `python -m bench.decode --sweep-gemv --models M --cases 1x1024`, and 8x1024 for the Qwens' M =
+    // 8 entries, each shape after the ones above it, LM heads left to the model). Against the
     // cost model's choices: Qwen3-1.7B 1.4825 -> 1.3653 ms at batch 1, 1.9691 -> 1.7144 at batch
-    // 8; Qwen3-4B 3.2237 -> 2.9905; Llama-3.2-1B 1.0019 -> 0.9195 (its q and o take Qwen3-1.7B's
-    // 2048x2048 entry, which its sweep kept). Batches 2 to 4 and 5 to 7 share the entries.
+    // 8; Qwen3-4B 3.2237 -> 2.9905, 3.7193 -> 3.4306 at batch 8; Llama-3.2-1B 1.0019 -> 0.9195
+    // (its q and o take Qwen3-1.7B's 2048x2048 entry, which its sweep kept). Batches 2 to 4 and 5
+    // to 7 share the entries.
     {2048, 6144, {1, 3, 4, 8}, {1, 8, 2, 8}, kModel, kModel, kModel},   // Qwen3-1.7B down
     {12288, 2048, {1, 4, 1, 4}, {2, 1, 4, 8}, kModel, kModel, kModel},  // Qwen3-1.7B gate|up
     {4096, 2048, {1, 4, 2, 8}, {1, 4, 2, 4}, kModel, kModel, kModel},   // Qwen3-1.7B qkv
     {2048, 2048, {1, 8, 1, 8}, {2, 2, 4, 4}, kModel, kModel, kModel},   // Qwen3-1.7B q, o
-    {2560, 9728, {1, 5, 8, 8}, kModel, kModel, kModel, kModel},         // Qwen3-4B down
-    {19456, 2560, {1, 5, 1, 8}, kModel, kModel, kModel, kModel},        // Qwen3-4B gate|up
-    {6144, 2560, {2, 4, 1, 8}, kModel, kModel, kModel, kModel},         // Qwen3-4B qkv
-    {2560, 4096, {1, 5, 2, 8}, kModel, kModel, kModel, kModel},         // Qwen3-4B o
+    {2560, 9728, {1, 5, 8, 8}, {1, 5, 4, 8}, kModel, kModel, kModel},   // Qwen3-4B down
+    {19456, 2560, {1, 5, 1, 8}, {4, 2, 1, 4}, kModel, kModel, kModel},  // Qwen3-4B gate|up
+    {6144, 2560, {2, 4, 1, 8}, {1, 5, 1, 8}, kModel, kModel, kModel},   // Qwen3-4B qkv
+    {2560, 4096, {1, 5, 2, 8}, {1, 2, 4, 4}, kModel, kModel, kModel},   // Qwen3-4B o
     {2048, 8192, {1, 8, 2, 8}, kModel, kModel, kModel, kModel},         // Llama-3.2-1B down
     {16384, 2048, {1, 8, 1, 4}, kModel, kModel, kModel, kModel},        // Llama-3.2-1B gate|up
     {3072, 2048, {1, 5, 1, 8}, kModel, kModel, kModel, kModel},         // Llama-3.2-1B qkv
