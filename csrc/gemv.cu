@@ -94,9 +94,10 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K
 // (batches 2 to 4, which share the entry, were not timed with it). The wide ones are the best of
 // `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
-// cost model, which sees no x traffic, was up to 2.7x slower. The 8B entries at the end were chosen
-// alone (see there), Qwen3-30B-A3B's router and o inside its step on an H100. Other shapes use the
-// cost model.
+// cost model, which sees no x traffic, was up to 2.7x slower. The entries after those were swept
+// inside the steps of their models on an H100 (sessions 41-42), except the 8B ones chosen alone (see
+// there); the in-step sweeps took 2-13% off steps that had run on the cost model's choices. Other
+// shapes use the cost model.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
