@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <map>
 
@@ -196,10 +198,27 @@ GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
 
 // Whether a configuration from outside the table is one the kernel has: wr, wk >= 1 with wr * wk
 // <= kMaxWarps warps, clusters of 1 to kMaxCluster (1 below sm_90), U 4 or 8.
-bool config_valid(const GemvConfig& cf, bool clusters) {
+constexpr bool config_valid(const GemvConfig& cf, bool clusters) {
   return cf.wr >= 1 && cf.wk >= 1 && cf.wr * cf.wk <= kMaxWarps && cf.c >= 1 && cf.c <= kMaxCluster &&
          (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1);
 }
+
+// kTuned checked at compile time: every entry kModel or a configuration the kernel has, and no shape
+// listed twice (choose_config takes the first match, so a second one would never be used).
+constexpr bool tuned_table_ok() {
+  for (size_t i = 0; i < std::size(kTuned); ++i) {
+    const TunedShape& t = kTuned[i];
+    for (const GemvConfig& cf : {t.m1, t.m8, t.m16, t.m32, t.m64}) {
+      const bool model = cf.wr == 0 && cf.wk == 0 && cf.c == 0 && cf.u == 0;
+      if (!model && !config_valid(cf, true)) return false;
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (kTuned[j].N == t.N && kTuned[j].K == t.K) return false;
+    }
+  }
+  return true;
+}
+static_assert(tuned_table_ok(), "kTuned: an entry the kernel does not have, or a shape listed twice");
 // What config_valid asks, for its errors (evaluated only when a check fails).
 std::string config_needs() {
   return msg(": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
