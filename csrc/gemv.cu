@@ -219,6 +219,7 @@ constexpr bool tuned_table_ok() {
   return true;
 }
 static_assert(tuned_table_ok(), "kTuned: an entry the kernel does not have, or a shape listed twice");
+
 // What config_valid asks, for its errors (evaluated only when a check fails).
 std::string config_needs() {
   return msg(": need wr*wk <= ", kMaxWarps, ", 1 <= c <= ", kMaxCluster, " (c = 1 below sm_90), u in {4, 8}");
