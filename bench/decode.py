@@ -28,6 +28,8 @@ reads the whole context; nothing is prefilled (no 32K-token prefill needed).
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024,8x1024   # tuning csrc/gemv.cu kTuned
   python -m bench.decode --sweep-gemv --models 7b --cases 1x1024 --sweep-shapes 37888x3584 \
       --rms-in-gemv qkv+gate_up          # a shape tuned with the RMS scale inside (csrc/gemv.cu kTuned)
+  python -m bench.decode --sweep-gemv --models qwen3-4b --cases 1x1024 --sweep-json sweeps.jsonl
+                                         # also every configuration's step time, one JSON line a shape
   python -m bench.decode --live-plans --models 1.5b --cases 64x1024   # the plans above 8 rows, live
   python -m bench.decode --ab DECODEX_ATTN_CLUSTER=0 --models 7b --cases 1x1024   # A/B of a switch
   python -m bench.decode --no-hf --models 1.5b --cases 64x1024 --force-plans gate_up=gemv --profile
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import re
 import statistics
@@ -433,7 +436,7 @@ def live_step_ms(runner, batch: int, context: int) -> float:
     return statistics.median(runner.time_steps(runner.capture(batch), steps=SWEEP_STEPS))
 
 
-def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
+def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None, json_path=None, label=None) -> dict:
     """The GEMV configurations that make the decode step fastest, chosen inside the step: for each
     weight shape in turn (down, gate|up or the router, qkv, o, lm_head), the step is captured once per kernel
     configuration of that shape (bench.gemv's list, forced through DECODEX_GEMV_CONFIG's per-shape
@@ -441,10 +444,14 @@ def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
     if it beats the step as it was by more than 0.3%. batch <= 4 tunes csrc/gemv.cu's M = 1 entries,
     5..8 its M = 8 ones. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept.
     shapes: only these weight shapes [(N, K)]; rms: the norm choice forced on every graph size of up
-    to 8 rows (an RMS_CHOICES entry) instead of the engine's, so the RMS variant is what is tuned."""
+    to 8 rows (an RMS_CHOICES entry) instead of the engine's, so the RMS variant is what is tuned.
+    json_path: also append one JSON line a shape to this file, with every configuration's step time
+    (the printout has only the five best), for fitting csrc/gemv.cu's cost model; label names the
+    model there."""
     from bench.gemv import ENV, _configs
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
+    gpu = torch.cuda.get_device_name() if json_path is not None else None
     layer = model.layers[0]
     # A mixture-of-experts layer has no down and gate|up products but a router GEMV.
     every = [tuple(t.shape) for t in (layer.down_w, layer.gate_up_w, layer.router_w, layer.qkv_w, layer.o_w,
@@ -473,6 +480,12 @@ def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None) -> dict:
             timed = sorted((step_ms({(N, K): cfg}), cfg) for cfg in _configs(N, K, clusters))
             if timed[0][0] < 0.997 * before:
                 kept[(N, K)] = timed[0][1]
+            if json_path is not None:
+                line = dict(gpu=gpu, model=label, batch=batch, context=context, N=N, K=K, before_ms=before,
+                            kept=kept.get((N, K)), ms={cfg: ms for ms, cfg in timed},
+                            others={f"{n},{k}": c for (n, k), c in kept.items() if (n, k) != (N, K)})
+                with open(json_path, "a") as f:
+                    f.write(json.dumps(line) + "\n")
             best = ", ".join(f"({cfg}) {ms:.4f}" for ms, cfg in timed[:5])
             print(f"  {N}x{K}: step {before:.4f} ms as it was; best {best}; kept: {kept.get((N, K), '-')}"
                   f" ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -702,6 +715,9 @@ def parse_args(argv):
                         "plan inside the step)")
     p.add_argument("--sweep-shapes", default=None,
                    help="with --sweep-gemv: only these weight shapes, comma list of NxK (e.g. 37888x3584)")
+    p.add_argument("--sweep-json", default=None, metavar="PATH",
+                   help="with --sweep-gemv: also append every configuration's step time to PATH, one JSON "
+                        "line a shape")
     p.add_argument("--rms-in-gemv", default=None,
                    help="with --sweep-gemv: the norms inside the GEMVs, forced (qkv+gate_up or qkv)")
     p.add_argument("--ab", action="append", default=None, metavar="NAME=VALUE[ NAME=VALUE...]",
@@ -745,8 +761,8 @@ def parse_args(argv):
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    if (args.sweep_shapes or args.rms_in_gemv) and not args.sweep_gemv:
-        p.error("--sweep-shapes and --rms-in-gemv go with --sweep-gemv")
+    if (args.sweep_shapes or args.rms_in_gemv or args.sweep_json) and not args.sweep_gemv:
+        p.error("--sweep-shapes, --rms-in-gemv and --sweep-json go with --sweep-gemv")
     if args.sweep_shapes:
         try:
             args.sweep_shapes = [tuple(int(v) for v in x.lower().split("x")) for x in args.sweep_shapes.split(",")]
@@ -788,7 +804,8 @@ def main(argv=None):
                         if args.live_plans else "environment A/B, GPU ms a step")
                 print(f"{MODELS[key]['name']} b{batch} ctx{context}: {what}", flush=True)
                 if args.sweep_gemv:
-                    sweep_gemv(model, batch, context, args.sweep_shapes, args.rms_in_gemv)
+                    sweep_gemv(model, batch, context, args.sweep_shapes, args.rms_in_gemv, args.sweep_json,
+                               MODELS[key]["name"])
                 elif args.live_plans:
                     live_plans(model, batch, context)
                 else:

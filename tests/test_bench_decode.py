@@ -25,7 +25,7 @@ def test_sweep_shapes_and_rms_arguments():
     assert decode.parse_args(["--sweep-gemv"]).rms_in_gemv is None
     for bad in (["--sweep-gemv", "--rms-in-gemv", "gate_up"], ["--sweep-gemv", "--sweep-shapes", "37888"],
                 ["--sweep-gemv", "--sweep-shapes", "ax3"], ["--rms-in-gemv", "qkv"],
-                ["--sweep-shapes", "8x8"]):
+                ["--sweep-shapes", "8x8"], ["--sweep-json", "s.jsonl"]):
         with pytest.raises(SystemExit):
             decode.parse_args(bad)
 
@@ -88,11 +88,12 @@ def test_no_fused_rope_argument():
     assert decode.parse_args(["--no-fused-rope"]).fuse_rope is False
 
 
-def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
+def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys, tmp_path):
     """The greedy rule on a stand-in runner (no GPU): a step time that depends on the forced
     configurations. Only the down shape's "1,1,1,4" is 10% faster; the other shapes' best is within
     0.3%, so nothing else is kept, each later sweep carries the kept entry, and the environment is
-    left as found."""
+    left as found. --sweep-json's file gets one line a shape with every configuration's time."""
+    import json
     import os
     import types
 
@@ -121,9 +122,21 @@ def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys):
     monkeypatch.setattr(decode, "make_runner", lambda m, b, c: Runner())
     monkeypatch.setattr(decode, "load_rows", lambda r, b, c: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
     monkeypatch.delenv(ENV, raising=False)
-    assert decode.sweep_gemv(model, 1, 1024) == {(32, 256): "1,1,1,4"}
+    path = tmp_path / "sweeps.jsonl"
+    assert decode.sweep_gemv(model, 1, 1024, json_path=str(path), label="stand-in") == {(32, 256): "1,1,1,4"}
     assert ENV not in os.environ
+    from bench.gemv import _configs
+
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    assert [(d["N"], d["K"], d["kept"]) for d in lines] == [(32, 256, "1,1,1,4"), (48, 32, None), (40, 32, None),
+                                                             (32, 32, None), (64, 32, None)]
+    down = lines[0]
+    assert (down["gpu"], down["model"]) == ("stand-in GPU", "stand-in") and (down["batch"], down["context"]) == (1, 1024) and down["others"] == {}
+    assert set(down["ms"]) == set(_configs(32, 256, True)) and down["ms"]["1,1,1,4"] == pytest.approx(0.9)
+    assert down["before_ms"] == pytest.approx(1.0) and lines[1]["others"] == {"32,256": "1,1,1,4"}
+    assert set(lines[1]["ms"]) == set(_configs(48, 32, True))
     later = [e for e in seen if "48,32:" in e or "40,32:" in e]
     assert later and all(e.startswith("32,256:1,1,1,4;") for e in later)
     assert "all kept: DECODEX_GEMV_CONFIG=\"32,256:1,1,1,4\"" in capsys.readouterr().out
