@@ -90,14 +90,13 @@ moe_route_kernel(const __nv_bfloat16* __restrict__ logits, int64_t stride, int M
   const int m = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (m >= M) return;  // a whole warp
   const __nv_bfloat16* row = logits + m * stride;
-  float v[kPerLane];
+  float v[kPerLane];       // logit lane + 32 j (a copy of the last one past E: the softmax skips it)
   unsigned key[kPerLane];  // 0: no expert there, or chosen already
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j;
-    const float x = __bfloat162float(row[min(e, E - 1)]);  // no branch around the load
-    v[j] = e < E ? x : -INFINITY;
-    key[j] = e < E ? route_key(x, e) : 0u;
+    v[j] = __bfloat162float(row[min(e, E - 1)]);  // no branch around the load
+    key[j] = e < E ? route_key(v[j], e) : 0u;
   }
   auto best_key = [&] {  // the warp's largest key left
     unsigned best = 0;

@@ -133,7 +133,8 @@ def test_sweep_gemv_keeps_only_a_real_gain(monkeypatch, capsys, tmp_path):
     assert [(d["N"], d["K"], d["kept"]) for d in lines] == [(32, 256, "1,1,1,4"), (48, 32, None), (40, 32, None),
                                                              (32, 32, None), (64, 32, None)]
     down = lines[0]
-    assert (down["gpu"], down["model"]) == ("stand-in GPU", "stand-in") and (down["batch"], down["context"]) == (1, 1024) and down["others"] == {}
+    assert (down["gpu"], down["model"], down["batch"], down["context"]) == ("stand-in GPU", "stand-in", 1, 1024)
+    assert down["others"] == {}
     assert set(down["ms"]) == set(_configs(32, 256, True)) and down["ms"]["1,1,1,4"] == pytest.approx(0.9)
     assert down["before_ms"] == pytest.approx(1.0) and lines[1]["others"] == {"32,256": "1,1,1,4"}
     assert set(lines[1]["ms"]) == set(_configs(48, 32, True))
