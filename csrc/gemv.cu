@@ -147,9 +147,10 @@ constexpr TunedShape kTuned[] = {
     // have each warp's k-range in one trip. Batches 2 to 4 share the entries (timed with them in
     // session 42, not against the model's choices).
     {128, 2048, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},        // router
-    {2048, 4096, {1, 8, 2, 8}, kModel, kModel, kModel, kModel},       // o
-    // Its qkv, swept the same way after the two above (session 42): 2.6035 -> 2.5800 ms; at batch 8
-    // (session 43) 11.1743 -> 11.0243, where the router kept the M = 8 cost model's choice.
+    {2048, 4096, {1, 8, 2, 8}, {1, 4, 4, 4}, kModel, kModel, kModel},   // o
+    // Its qkv, swept the same way after the two above (session 42): 2.6035 -> 2.5800 ms. At batch 8
+    // (session 43) the qkv took the step 11.1743 -> 11.0243 ms and then the o 11.0444 -> 10.9191;
+    // the router kept the M = 8 cost model's choice.
     {5120, 2048, {1, 8, 1, 4}, {1, 4, 2, 4}, kModel, kModel, kModel},   // qkv
     // Qwen3-1.7B, Qwen3-4B and Llama-3.2-1B, swept inside their steps at 1K on an H100 (session 42:
     // `python -m bench.decode --sweep-gemv --models M --cases 1x1024`, and 8x1024 for the Qwens' M =
