@@ -1,5 +1,5 @@
 """End-to-end decode benchmark: decodex's CUDA-graph runner against Hugging Face transformers, at the
-real shapes of Qwen2.5-1.5B and Qwen2.5-7B (the default; MODELS also has Qwen3 and Llama 3.x presets)
+real shapes of Qwen2.5-1.5B and Qwen2.5-7B (the default; MODELS also has Qwen2.5-0.5B and -3B, Qwen3 and Llama 3.x presets)
 with random weights (no checkpoint file: weights are drawn on the GPU), on the H200.
 
 Per case (batch, context):
@@ -65,6 +65,14 @@ MODELS = {
                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(name="Qwen2.5-7B", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2.5-0.5B (head_dim 64) and -3B: shapes csrc/gemv.cu's table has no entries for, which
+    # check its rule for other shapes.
+    "0.5b": dict(name="Qwen2.5-0.5B", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=32768),
+    "3b": dict(name="Qwen2.5-3B", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+               max_position_embeddings=32768),
     "qwen3-1.7b": dict(name="Qwen3-1.7B", model_type="qwen3", hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960),

@@ -171,7 +171,7 @@ inline int device_attribute(int device) {
 
 inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Resident blocks per SM of `kernel` at `threads` threads a block (no dynamic shared memory),
 // asked once and cached in `slot` (0: not asked yet; the count is stored + 1). Occupancy depends on

@@ -4,8 +4,9 @@
 // (csrc/rope_append.cu) through gemv.h.
 //
 // The kernel and its idea: csrc/gemv_kernel.cuh.
-// The host picks (wr, wk, c, U) per (N, K, M) with a small cost model of waves, bytes in flight
-// and load latency, once per shape (cached). DECODEX_GEMV_CONFIG overrides the choice, for all
+// The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from a table of measured
+// shapes (kTuned), else by a rule fitted to in-step sweeps up to 8 rows of x (rule_config), else
+// (9-64 rows) with a small cost model of waves, bytes in flight and load latency. DECODEX_GEMV_CONFIG overrides the choice, for all
 // shapes or per shape (a tuning knob for bench/gemv.py --sweep and scratch sweeps of the decode
 // step, not for the model).
 #include <algorithm>
@@ -80,8 +81,8 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 }
 
 // Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range
-// of M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros: the cost
-// model). Up to 8 rows they were chosen inside the decode step, as `python -m bench.decode
+// of M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros, kModel:
+// choose_config's rule or cost model). Up to 8 rows they were chosen inside the decode step, as `python -m bench.decode
 // --sweep-gemv` does: each shape's configurations forced in turn through DECODEX_GEMV_CONFIG, the
 // step's graph replays timed (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md,
 // session 7). The kernel ahead and programmatic dependent launch change what is best: for example
@@ -99,13 +100,13 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // cost model, which sees no x traffic, was up to 2.7x slower. The entries after those were swept
 // inside the steps of their models on an H100 (sessions 41-42), except the 8B ones chosen alone (see
 // there); the in-step sweeps took 2-13% off steps that had run on the cost model's choices. Other
-// shapes use the cost model.
+// shapes use rule_config up to kMaxRows rows of x and the cost model above.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
 };
 constexpr GemvConfig kModel{0, 0, 0, 0};
-constexpr bool is_model(const GemvConfig& cf) {  // an entry that leaves the shape to the cost model
+constexpr bool is_model(const GemvConfig& cf) {  // an entry that leaves the shape to choose_config
   return cf.wr == 0 && cf.wk == 0 && cf.c == 0 && cf.u == 0;
 }
 constexpr TunedShape kTuned[] = {
@@ -130,7 +131,7 @@ constexpr TunedShape kTuned[] = {
     // (Llama-3.1-8B) and 4.29 to 3.93 (Qwen3-8B). Qwen3-8B's step swept at 1K on an H100 (session 42)
     // then changed its gate|up and the shared qkv (5.1021 -> 4.9929 ms) and kept the rest;
     // Llama-3.1-8B's the same way (session 43) changed its gate|up (4.9672 -> 4.8922 ms) and kept
-    // its down. The other sizes: the model.
+    // its down. The other sizes: choose_config's rule or cost model.
     {4096, 4096, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},       // q, o
     {1024, 4096, {1, 5, 2, 8}, kModel, kModel, kModel, kModel},       // k, v
     {6144, 4096, {1, 4, 4, 4}, kModel, kModel, kModel, kModel},       // qkv
@@ -185,11 +186,29 @@ constexpr TunedShape kTuned[] = {
     {128256, 3072, {2, 2, 4, 4}, kModel, kModel, kModel, kModel},       // Llama-3.2-3B lm_head
 };
 
+// The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about
+// kRuleSteps k-steps (two trips of U = 4), the warps' k-ranges split over up to kRuleWarps warps a
+// block and the rest over a cluster of up to kMaxCluster blocks; one warp row a block. Fitted to
+// the in-step sweeps of sessions 42-43 on an H100 (45 shapes of six models at batches 1 and 8 that
+// had run on the cost model below; bench/RESULTS.md, session 43): it cost 0.58% of the step a shape
+// against each shape's best configuration on average, the cost model 1.86%, and it was the nearer
+// of the two on 41 of the 45; left out one model at a time and refitted, 0.61%.
+constexpr int kRuleSteps = 8, kRuleWarps = 5;
+constexpr GemvConfig rule_config(int64_t K, bool clusters) {
+  const int64_t ksteps = ceil_div(K, kStepK), parts = ceil_div(ksteps, kRuleSteps);
+  int c = 1;
+  while (c < (clusters ? kMaxCluster : 1) && ceil_div(parts, c) > kRuleWarps) c *= 2;
+  const int wk = static_cast<int>(std::min<int64_t>(ceil_div(parts, c), kMaxWarps));
+  return {1, wk, c, ceil_div(ksteps, int64_t{wk} * c) > kRuleSteps ? 8 : 4};
+}
+
 GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
   for (const TunedShape& t : kTuned) {
     const GemvConfig& cf = M <= 4 ? t.m1 : M <= 8 ? t.m8 : M <= 16 ? t.m16 : M <= 32 ? t.m32 : t.m64;
     if (t.N == N && t.K == K && !is_model(cf) && (clusters || cf.c == 1)) return cf;
   }
+  if (M <= kMaxRows) return rule_config(K, clusters);
+  // Above kMaxRows (the wide variants, no in-step data): the cost model.
   GemvConfig best{1, 1, 1, 4};
   double best_us = std::numeric_limits<double>::infinity();
   // Cheapest structure first; a later candidate must win by 2% to replace it.
@@ -233,6 +252,23 @@ constexpr bool tuned_table_ok() {
   return true;
 }
 static_assert(tuned_table_ok(), "kTuned: an entry the kernel does not have, or a shape listed twice");
+
+// rule_config checked at compile time for every K up to 64K: a configuration the kernel has, with or
+// without clusters, whose k-ranges all get at least one k-step.
+constexpr bool rule_ok() {
+  for (int64_t K = 8; K <= 65536; K += 8) {
+    for (bool clusters : {true, false}) {
+      const GemvConfig cf = rule_config(K, clusters);
+      if (!config_valid(cf, clusters) || cf.wr != 1 || int64_t{cf.wk} * cf.c > ceil_div(K, kStepK)) return false;
+    }
+  }
+  return true;
+}
+static_assert(rule_ok(), "rule_config: a configuration the kernel does not have");
+static_assert(rule_config(2048, true).wk == 4 && rule_config(2048, true).c == 2 && rule_config(2048, true).u == 4 &&
+                  rule_config(8192, true).wk == 4 && rule_config(8192, true).c == 8 && rule_config(896, true).c == 1 &&
+                  rule_config(18944, true).u == 8 && rule_config(2048, false).wk == 8,
+              "rule_config: not the rule its comment describes");
 
 // What config_valid asks, for its errors (evaluated only when a check fails).
 std::string config_needs() {
