@@ -1,0 +1,67 @@
+"""bench.gemv_rule (CPU): its copy of csrc/gemv.cu's rule_config, the costs it computes from sweep
+lines, and that csrc/gemv.cu's constants are the fit's best on the sweeps shipped in bench/."""
+import json
+
+import pytest
+
+from bench import gemv_rule
+
+
+def test_rule_constants_and_configs_match_gemv_cu():
+    steps, warps = gemv_rule.rule_constants()
+    assert (steps, warps) == (8, 5)
+    # The same picks csrc/gemv.cu's static_assert holds its rule_config to.
+    assert gemv_rule.rule_config(2048, steps, warps) == "1,4,2,4"
+    assert gemv_rule.rule_config(8192, steps, warps) == "1,4,8,4"
+    assert gemv_rule.rule_config(896, steps, warps).split(",")[2] == "1"
+    assert gemv_rule.rule_config(18944, steps, warps).endswith(",8")
+    assert gemv_rule.rule_config(2048, steps, warps, clusters=False) == "1,8,1,4"
+    for K in range(8, 65537, 8):
+        for clusters in (True, False):
+            wr, wk, c, u = map(int, gemv_rule.rule_config(K, steps, warps, clusters).split(","))
+            assert wr == 1 and 1 <= wk <= 8 and c in ((1, 2, 4, 8) if clusters else (1,)) and u in (4, 8)
+            assert wk * c <= -(-K // 32), K  # every k-range gets a k-step
+
+
+def test_rule_constants_missing(tmp_path):
+    path = tmp_path / "gemv.cu"
+    path.write_text("constexpr int kOther = 1;\n")
+    with pytest.raises(ValueError, match="kRuleSteps"):
+        gemv_rule.rule_constants(str(path))
+
+
+def test_cost_full_and_partial_lines():
+    full = dict(model="m", batch=1, N=16, K=64, before_ms=1.1, ms={"1,1,1,4": 1.0, "1,2,1,4": 1.05})
+    assert gemv_rule.cost(full, "1,1,1,4") == 0
+    assert gemv_rule.cost(full, "1,2,1,4") == pytest.approx(5.0)
+    assert gemv_rule.before_cost(full) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="no time for 1,3,1,4"):
+        gemv_rule.cost(full, "1,3,1,4")
+    partial = dict(full, partial=True)
+    assert gemv_rule.cost(partial, "1,3,1,4") == pytest.approx(5.0 + gemv_rule.PARTIAL_MISS)
+
+
+def test_load_names_the_bad_line(tmp_path):
+    path = tmp_path / "s.jsonl"
+    good = dict(model="m", batch=1, N=16, K=64, before_ms=1.0, ms={"1,1,1,4": 1.0})
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(dict(good, ms={})) + "\n")
+    with pytest.raises(ValueError, match=r"s.jsonl:3: not a --sweep-json line"):
+        gemv_rule.load([str(path)])
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"s.jsonl:2"):
+        gemv_rule.load([str(path)])
+    path.write_text(json.dumps(good) + "\n")
+    assert gemv_rule.load([str(path)]) == [good]
+
+
+def test_gemv_cu_constants_are_the_fit_on_the_shipped_sweeps(capsys):
+    """If the constants change without a new fit (or new sweeps move the fit), this says so."""
+    lines = gemv_rule.load([gemv_rule.DATA])
+    steps, warps = gemv_rule.rule_constants()
+    ranked = gemv_rule.fit(lines)
+    ours = next(m for m, _, s, w in ranked if (s, w) == (steps, warps))
+    assert ours <= ranked[0][0] + 0.01
+    gemv_rule.main(["--loo", "--top", "3"])
+    out = capsys.readouterr().out
+    assert f"rule_config (kRuleSteps {steps}, kRuleWarps {warps}) on those" in out
+    assert "fitted without the model" in out and "Qwen3-1.7B |" in out
