@@ -1,6 +1,7 @@
 """End-to-end decode benchmark: decodex's CUDA-graph runner against Hugging Face transformers, at the
-real shapes of Qwen2.5-1.5B and Qwen2.5-7B (the default; MODELS also has Qwen2.5-0.5B and -3B, Qwen3 and Llama 3.x presets)
-with random weights (no checkpoint file: weights are drawn on the GPU), on the H200.
+real shapes of Qwen2.5-1.5B and Qwen2.5-7B (the default; MODELS also has Qwen2.5-0.5B and -3B, Qwen3
+and Llama 3.x presets) with random weights (no checkpoint file: weights are drawn on the GPU), on the
+H200.
 
 Per case (batch, context):
   decodex GPU ms   median of graph replays queued back to back (CUDA events between replays)

@@ -6,9 +6,9 @@
 // The kernel and its idea: csrc/gemv_kernel.cuh.
 // The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from a table of measured
 // shapes (kTuned), else by a rule fitted to in-step sweeps up to 8 rows of x (rule_config), else
-// (9-64 rows) with a small cost model of waves, bytes in flight and load latency. DECODEX_GEMV_CONFIG overrides the choice, for all
-// shapes or per shape (a tuning knob for bench/gemv.py --sweep and scratch sweeps of the decode
-// step, not for the model).
+// (9-64 rows) with a small cost model of waves, bytes in flight and load latency.
+// DECODEX_GEMV_CONFIG overrides the choice, for all shapes or per shape (a tuning knob for
+// bench/gemv.py --sweep and bench/decode.py --sweep-gemv, not for the model).
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -82,10 +82,10 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 
 // Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range
 // of M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros, kModel:
-// choose_config's rule or cost model). Up to 8 rows they were chosen inside the decode step, as `python -m bench.decode
-// --sweep-gemv` does: each shape's configurations forced in turn through DECODEX_GEMV_CONFIG, the
-// step's graph replays timed (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md,
-// session 7). The kernel ahead and programmatic dependent launch change what is best: for example
+// choose_config's rule or cost model). Up to 8 rows they were chosen inside the decode step, as
+// `python -m bench.decode --sweep-gemv` does: each shape's configurations forced in turn through
+// DECODEX_GEMV_CONFIG, the step's graph replays timed (2026-12-01, with a scratch copy of that
+// sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change what is best: for example
 // the 1.5B down projection gains from cluster split-K (192 blocks instead of 96) in the step; alone
 // it gains only with prefetch_weight (plain calls lose). The 7B q/o M <= 4 entry is from the sweep
 // of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9% at 32K and batches 2 and
@@ -196,7 +196,8 @@ constexpr TunedShape kTuned[] = {
 // on it, 0.61%. On models none of that saw (session 43, the same H100, the rule's picks forced
 // against the cost model's in the step): Qwen2.5-3B 5.0% faster at batch 1 and 10.7% at 8,
 // Qwen2.5-0.5B 16.7% faster at 8 but 0.7% slower at 1, Llama-3.1-8B and Qwen3-8B at batch 8 (their
-// M = 8 not in the table) 6.3% and 8.1% faster.
+// M = 8 not in the table) 6.3% and 8.1% faster. Without clusters (below sm_90) the same rule with
+// c = 1, not measured.
 constexpr int kRuleSteps = 8, kRuleWarps = 5;
 constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   const int64_t ksteps = ceil_div(K, kStepK), parts = ceil_div(ksteps, kRuleSteps);
@@ -263,16 +264,21 @@ constexpr bool rule_ok() {
   for (int64_t K = 8; K <= 65536; K += 8) {
     for (bool clusters : {true, false}) {
       const GemvConfig cf = rule_config(K, clusters);
-      if (!config_valid(cf, clusters) || cf.wr != 1 || int64_t{cf.wk} * cf.c > ceil_div(K, kStepK)) return false;
+      if (!config_valid(cf, clusters) || cf.wr != 1 || int64_t{cf.wk} * cf.c > ceil_div(K, kStepK)) {
+        return false;
+      }
     }
   }
   return true;
 }
 static_assert(rule_ok(), "rule_config: a configuration the kernel does not have");
-static_assert(rule_config(2048, true).wk == 4 && rule_config(2048, true).c == 2 && rule_config(2048, true).u == 4 &&
-                  rule_config(8192, true).wk == 4 && rule_config(8192, true).c == 8 && rule_config(896, true).c == 1 &&
-                  rule_config(18944, true).u == 8 && rule_config(2048, false).wk == 8,
-              "rule_config: not the rule its comment describes");  // bench.gemv_rule's copy: tests
+// A few of its picks, pinned (tests/test_bench_gemv_rule.py holds bench.gemv_rule's copy to them).
+constexpr bool rule_picks_ok() {
+  const GemvConfig a = rule_config(2048, true), b = rule_config(8192, true);
+  return a.wk == 4 && a.c == 2 && a.u == 4 && b.wk == 4 && b.c == 8 && rule_config(896, true).c == 1 &&
+         rule_config(18944, true).u == 8 && rule_config(2048, false).wk == 8;
+}
+static_assert(rule_picks_ok(), "rule_config: not the rule its comment describes");
 
 // What config_valid asks, for its errors (evaluated only when a check fails).
 std::string config_needs() {
