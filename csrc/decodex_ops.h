@@ -9,6 +9,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
+#include <vector>
 
 namespace decodex_ops {
 
@@ -48,6 +49,13 @@ inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_wei
 inline int64_t gemv_silu_mul_max_rows(int64_t device) {
   static auto h = detail::op<int64_t(int64_t)>("decodex::gemv_silu_mul_max_rows");
   return h.call(device);
+}
+
+// The configuration [wr, wk, c, u] gemv launches for a weight [N, K] and M = 1..8 rows of x when
+// none is given (no GPU needed; see the schema in csrc/bindings.cpp).
+inline std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters = true) {
+  static auto h = detail::op<std::vector<int64_t>(int64_t, int64_t, int64_t, bool)>("decodex::gemv_config");
+  return h.call(N, K, M, clusters);
 }
 
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {

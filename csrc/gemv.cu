@@ -21,6 +21,8 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <optional>
+#include <vector>
 
 #include "common.h"
 #include "gemv.h"
@@ -207,12 +209,19 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   return {1, wk, c, ceil_div(ksteps, int64_t{wk} * c) > kRuleSteps ? 8 : 4};
 }
 
-GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
+// kTuned's entry for a weight [N, K] at M rows of x, else up to kMaxRows rows rule_config: the
+// choices that need no device (gemv_config reports them).
+std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters) {
   for (const TunedShape& t : kTuned) {
     const GemvConfig& cf = M <= 4 ? t.m1 : M <= 8 ? t.m8 : M <= 16 ? t.m16 : M <= 32 ? t.m32 : t.m64;
     if (t.N == N && t.K == K && !is_model(cf) && (clusters || cf.c == 1)) return cf;
   }
   if (M <= kMaxRows) return rule_config(K, clusters);
+  return std::nullopt;
+}
+
+GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
+  if (const std::optional<GemvConfig> cf = known_config(N, K, M, clusters)) return *cf;
   // Above kMaxRows (the wide variants, no in-step data): the cost model.
   GemvConfig best{1, 1, 1, 4};
   double best_us = std::numeric_limits<double>::infinity();
@@ -529,6 +538,15 @@ void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
     return;
   }
   launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
+}
+
+std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters) {
+  DX_CHECK(N >= 1, "gemv_config: N (the weight's rows) must be >= 1, got ", N);
+  DX_CHECK(K >= 8 && K % 8 == 0, "gemv_config: K must be a positive multiple of 8, got ", K);
+  DX_CHECK(M >= 1 && M <= kMaxRows, "gemv_config: M (rows of x) must be 1 to ", kMaxRows,
+           " (above, the choice asks the device), got ", M);
+  const GemvConfig cf = *known_config(N, K, static_cast<int>(M), clusters);
+  return {cf.wr, cf.wk, cf.c, cf.u};
 }
 
 int64_t gemv_silu_mul_max_rows(int64_t device) {

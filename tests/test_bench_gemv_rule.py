@@ -23,6 +23,19 @@ def test_rule_constants_and_configs_match_gemv_cu():
             assert wk * c <= -(-K // 32), K  # every k-range gets a k-step
 
 
+@pytest.mark.ext
+def test_rule_copy_matches_gemv_config():
+    """bench.gemv_rule's copy against the extension's own choice (torch.ops.decodex.gemv_config) for
+    every K up to 64K, with clusters and without, on shapes the table lacks (N = 1)."""
+    import torch
+
+    steps, warps = gemv_rule.rule_constants()
+    for K in range(8, 65537, 8):
+        for clusters in (True, False):
+            got = ",".join(map(str, torch.ops.decodex.gemv_config(1, K, 1, clusters)))
+            assert got == gemv_rule.rule_config(K, steps, warps, clusters), (K, clusters)
+
+
 def test_rule_constants_missing(tmp_path):
     path = tmp_path / "gemv.cu"
     path.write_text("constexpr int kOther = 1;\n")

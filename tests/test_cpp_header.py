@@ -46,6 +46,7 @@ def test_header_signatures_match_the_schemas(tmp_path):
         [&] { decodex_ops::gemv(t, t, t, t); },
         [&] { decodex_ops::gemv_silu_mul(t, t, t); },
         [&] { decodex_ops::gemv_silu_mul_max_rows(-1); },
+        [&] { decodex_ops::gemv_config(0, 8, 1); },
         [&] { decodex_ops::rms_norm(t, t, 1e-6, t); },
         [&] { decodex_ops::fused_add_rms_norm(t, t, t, 1e-6, t); },
         [&] { decodex_ops::rope_append(t, t, t, t, t, t, t, t, 1e-6, t, t, t, 1e-6); },
@@ -70,6 +71,6 @@ def test_header_signatures_match_the_schemas(tmp_path):
                       extra_include_paths=[decodex.include_dir()], build_directory=str(tmp_path),
                       extra_cflags=["-O0"], verbose=False)
     errors = ext.call_all()
-    assert len(errors) == 15
+    assert len(errors) == 16
     for i, e in enumerate(errors):
         assert e and "wrong signature" not in e, f"call {i}: {e[:300]}"

@@ -678,6 +678,28 @@ def test_gemv_meta_opcheck():
 
 
 @pytest.mark.ext
+def test_gemv_config_table_then_rule():
+    """gemv_config (no GPU): a tabled shape gets its entry for M's range; another shape the rule
+    (bench.gemv_rule's tests hold it to the rule for every K), whatever N and M; without clusters,
+    a tabled entry with a cluster gives way to the rule's c = 1."""
+    f = torch.ops.decodex.gemv_config
+    assert str(f.default._schema) == "decodex::gemv_config(int N, int K, int M, bool clusters=True) -> int[]"
+    assert f(1536, 1536, 1) == f(1536, 1536, 4) == [1, 6, 1, 8]  # Qwen2.5-1.5B q, o: M <= 4
+    assert f(1536, 1536, 5) == f(1536, 1536, 8) == [1, 7, 1, 4]  # and M = 5..8
+    assert f(2048, 6144, 1) == [1, 3, 4, 8]  # Qwen3-1.7B down, a cluster of 4
+    assert f(2048, 6144, 1, clusters=False) == [1, 8, 1, 8]  # 192 k-steps over 8 warps: 24 each, U = 8
+    assert f(1, 2048, 1) == f(77777, 2048, 8) == [1, 4, 2, 4]
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("args, match", [((0, 8, 1), "N"), ((16, 12, 1), "K must be"), ((16, 0, 1), "K must be"),
+                                         ((16, 8, 0), "M "), ((16, 8, 9), "M ")])
+def test_gemv_config_rejects(args, match):
+    with pytest.raises(RuntimeError, match=f"gemv_config: {match}"):
+        torch.ops.decodex.gemv_config(*args)
+
+
+@pytest.mark.ext
 def test_gemv_cpu_tensors_refused():
     """No CPU kernel: CPU tensors stop at the dispatcher (the K check lives in the CUDA launcher)."""
     x = torch.randn(2, 12).to(torch.bfloat16)  # K = 12 would also fail the launcher's check
