@@ -101,6 +101,15 @@ def fit(lines: list[dict]) -> list[tuple[float, float, int, int]]:
     return sorted(out)
 
 
+def fixed(full: list[dict]) -> list[tuple[float, str]]:
+    """(mean cost, config) of each configuration used for every one of these full (not partial)
+    lines that all of them timed, best first."""
+    if not full:
+        return []
+    common = set.intersection(*(set(d["ms"]) for d in full))
+    return sorted((mean([cost(d, cfg) for d in full]), cfg) for cfg in common)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=DATA, help="comma list of --sweep-json files (default: %(default)s)")
@@ -118,7 +127,18 @@ def main(argv=None) -> None:
           f"{len(chosen)} of them timed with the cost model's choice")
     print(f"rule_config (kRuleSteps {steps}, kRuleWarps {warps}) on those: {mean(ours):.2f}% of the step "
           f"a shape against the best; the cost model {mean(was):.2f}%; the rule nearer on "
-          f"{sum(a < b for a, b in zip(ours, was))} of {len(chosen)}\n")
+          f"{sum(a < b for a, b in zip(ours, was))} of {len(chosen)}")
+    full = [d for d in lines if not d.get("partial")]
+    one = fixed(full)
+    if one:
+        full_chosen = [d for d in full if d.get("before_from") == "choose"]
+        model = mean([before_cost(d) for d in full_chosen])
+        print(f"one configuration for every one of the {len(full)} full lines: the best, ({one[0][1]}), "
+              f"{one[0][0]:.2f}%; what those shapes ran with {mean([before_cost(d) for d in full]):.2f}%; "
+              f"on the {len(full_chosen)} of them timed with the cost model's choice ({model:.2f}%), "
+              f"{sum(mean([cost(d, cfg) for d in full_chosen]) < model for _, cfg in one)} of the "
+              f"{len(one)} configurations would have beaten it")
+    print()
     rows = [[f"{s}", f"{w}", f"{m:.3f}", f"{x:.2f}"] for m, x, s, w in fit(lines)[:args.top]]
     print_table("rule_config's constants by mean cost over every shape (% of the step)",
                 ["k-steps a warp", "k-warps a block", "mean %", "max %"], rows)

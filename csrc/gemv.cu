@@ -108,7 +108,7 @@ struct TunedShape {
   GemvConfig m1, m8, m16, m32, m64;
 };
 constexpr GemvConfig kModel{0, 0, 0, 0};
-constexpr bool is_model(const GemvConfig& cf) {  // an entry that leaves the shape to choose_config
+constexpr bool is_model(const GemvConfig& cf) {  // an entry that leaves the shape to rule or model
   return cf.wr == 0 && cf.wk == 0 && cf.c == 0 && cf.u == 0;
 }
 constexpr TunedShape kTuned[] = {
