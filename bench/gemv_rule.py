@@ -4,14 +4,14 @@ to 8 rows of x), rerunnable from in-step sweeps.
 Each line of the data is one weight shape swept inside a decode step (`python -m bench.decode
 --sweep-gemv --sweep-json PATH`): the step's GPU ms under each configuration "wr,wk,c,u", and
 before_ms, the step with the configuration decodex chose then (before_from: "table" for a kTuned
-entry, "choose" for the cost model that chose the rest until session 43; lines without it, as
---sweep-json writes them, count in the fit only). A rule with s k-steps a warp and up to w k-warps
+entry, "choose" for the cost model that chose the rest until session 43, "rule" for rule_config
+since; lines without it, as --sweep-json writes them, count in the fit only). A rule with s k-steps a warp and up to w k-warps
 a block (the rest of K over a cluster of up to 8) costs a shape its step time against the shape's
 best configuration, in % of the step. Lines with "partial": true (session 42's printouts) hold
 only the five best; a configuration outside them is charged the fifth's cost plus PARTIAL_MISS
 points (a guess: it is at least the fifth's).
 
-    python -m bench.gemv_rule                         # bench/gemv_sweeps.jsonl (H100, sessions 41-43)
+    python -m bench.gemv_rule                         # bench/gemv_sweeps.jsonl (H100, sessions 41-44)
     python -m bench.gemv_rule --data a.jsonl,b.jsonl  # other sweeps (e.g. an H200's)
     python -m bench.gemv_rule --loo                   # also refitted with one model left out at a time
 """
@@ -128,6 +128,11 @@ def main(argv=None) -> None:
     print(f"rule_config (kRuleSteps {steps}, kRuleWarps {warps}) on those: {mean(ours):.2f}% of the step "
           f"a shape against the best; the cost model {mean(was):.2f}%; the rule nearer on "
           f"{sum(a < b for a, b in zip(ours, was))} of {len(chosen)}")
+    built = [d for d in lines if d.get("before_from") == "rule"]
+    if built:
+        costs = [before_cost(d) for d in built]
+        print(f"{len(built)} shapes timed with the rule's own choice (models it was not fitted on): "
+              f"{mean(costs):.2f}% of the step a shape against the best, at most {max(costs):.2f}%")
     full = [d for d in lines if not d.get("partial")]
     one = fixed(full)
     if one:
