@@ -7,9 +7,9 @@ before_ms, the step with the configuration decodex chose then (before_from: "tab
 entry, "choose" for the cost model that chose the rest until session 43, "rule" for rule_config
 since; lines without it, as --sweep-json writes them, count in the fit only). A rule with s k-steps
 a warp and up to w k-warps a block (the rest of K over a cluster of up to 8) costs a shape its step
-time against the shape's best configuration, in % of the step. Lines with "partial": true (session 42's printouts) hold
-only the five best; a configuration outside them is charged the fifth's cost plus PARTIAL_MISS
-points (a guess: it is at least the fifth's).
+time against the shape's best configuration, in % of the step. Lines with "partial": true (session
+42's printouts) hold only the five best; a configuration outside them is charged the fifth's cost
+plus PARTIAL_MISS points (a guess: it is at least the fifth's).
 
     python -m bench.gemv_rule                         # bench/gemv_sweeps.jsonl (H100, sessions 41-44)
     python -m bench.gemv_rule --data a.jsonl,b.jsonl  # other sweeps (e.g. an H200's)

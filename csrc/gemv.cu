@@ -82,27 +82,27 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
   return full * wave_us(resident) + (rest ? wave_us(rest) : 0.0) + (cf.c > 1 ? kClusterUs : 0.0);
 }
 
-// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range
-// of M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros, kModel:
+// Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range of
+// M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros, kModel:
 // choose_config's rule or cost model). Up to 8 rows they were chosen inside the decode step, as
 // `python -m bench.decode --sweep-gemv` does: each shape's configurations forced in turn through
 // DECODEX_GEMV_CONFIG, the step's graph replays timed (2026-12-01, with a scratch copy of that
-// sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change what is best: for example
-// the 1.5B down projection gains from cluster split-K (192 blocks instead of 96) in the step; alone
-// it gains only with prefetch_weight (plain calls lose). The 7B q/o M <= 4 entry is from the sweep
-// of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9% at 32K and batches 2 and
-// 4); with the cluster push that session, clusters of 4 won the 1.5B down and o projections at 1K
-// (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The 7B down M <= 4 entry is from
-// the sweep of session 25, after the c = 1 instances lost their cluster code (their registers fell,
-// the old (1,8,1,4) went from 2 to 3 blocks an SM, and the step took 1% longer; (2,4,2,8) is 2.1%
-// faster than it); after the split-K push moved to st.async (session 28) the in-step sweep at
-// batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K
-// (batches 2 to 4, which share the entry, were not timed with it). The wide ones are the best of
-// `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
-// cost model, which sees no x traffic, was up to 2.7x slower. The entries after those were swept
-// inside the steps of their models on an H100 (sessions 41-44), except the 8B ones chosen alone (see
-// there); the in-step sweeps took 2-13% off steps that had run on the cost model's choices. Other
-// shapes use rule_config up to kMaxRows rows of x and the cost model above.
+// sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change
+// what is best: for example the 1.5B down projection gains from cluster split-K (192 blocks instead
+// of 96) in the step; alone it gains only with prefetch_weight (plain calls lose). The 7B q/o
+// M <= 4 entry is from the sweep of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9%
+// at 32K and batches 2 and 4); with the cluster push that session, clusters of 4 won the 1.5B down
+// and o projections at 1K (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The 7B down
+// M <= 4 entry is from the sweep of session 25, after the c = 1 instances lost their cluster code
+// (their registers fell, the old (1,8,1,4) went from 2 to 3 blocks an SM, and the step took 1%
+// longer; (2,4,2,8) is 2.1% faster than it); after the split-K push moved to st.async (session 28)
+// the in-step sweep at batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8)
+// and 0.6% at 32K (batches 2 to 4, which share the entry, were not timed with it). The wide ones
+// are the best of `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session
+// 9), where the cost model, which sees no x traffic, was up to 2.7x slower. The entries after those
+// were swept inside the steps of their models on an H100 (sessions 41-44), except the 8B ones
+// chosen alone (see there); the in-step sweeps took 2-13% off steps that had run on the cost
+// model's choices. Other shapes use rule_config up to kMaxRows rows of x and the cost model above.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
@@ -202,16 +202,18 @@ constexpr TunedShape kTuned[] = {
 // The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about
 // kRuleSteps k-steps (two trips of U = 4), the warps' k-ranges split over up to kRuleWarps warps a
 // block and the rest over a cluster of up to kMaxCluster blocks; one warp row a block. Fitted to
-// in-step sweeps on an H100 (sessions 41-43, bench/gemv_sweeps.jsonl: 51 shapes of seven models at
-// batches 1 and 8; `python -m bench.gemv_rule --loo`): on the 41 timed with the cost model's choice
-// (below), the rule costs 0.63% of the step a shape against the shape's best configuration, the
-// cost model 1.99%, and the rule is the nearer on 37; refitted with one model left out and costed
-// on it, 0.61%. On models none of that saw (session 43, the same H100, the rule's picks forced
-// against the cost model's in the step): Qwen2.5-3B 5.0% faster at batch 1 and 10.7% at 8,
-// Qwen2.5-0.5B 16.7% faster at 8 but 0.7% slower at 1, Llama-3.1-8B and Qwen3-8B at batch 8 (their
-// M = 8 not in the table) 6.3% and 8.1% faster. As built (session 44), the 16 shapes of the first
-// two swept in their steps cost 1.07% of the step a shape against their best (then tabled). Without
-// clusters (below sm_90) the same rule with c = 1, not measured.
+// in-step sweeps on an H100 (sessions 41-43: 51 shapes of seven models at batches 1 and 8, the
+// first lines of bench/gemv_sweeps.jsonl; `python -m bench.gemv_rule --loo`): on the 41 timed with
+// the cost model's choice (below), the rule costs 0.63% of the step a shape against the shape's
+// best configuration, the cost model 1.99%, and the rule is the nearer on 37; refitted then with
+// one model left out and costed on it, 0.61%. On models none of that saw (session 43, the same
+// H100, the rule's picks forced against the cost model's in the step): Qwen2.5-3B 5.0% faster at
+// batch 1 and 10.7% at 8, Qwen2.5-0.5B 16.7% faster at 8 but 0.7% slower at 1, Llama-3.1-8B and
+// Qwen3-8B at batch 8 (their M = 8 not in the table) 6.3% and 8.1% faster. As built (session 44),
+// the 16 shapes of the first two swept in their steps cost 1.07% of the step a shape against their
+// best (then tabled); refitted with those lines too, (8 k-steps, 6 k-warps) comes first at 0.708%
+// against these constants' 0.710%, so they stay. Without clusters (below sm_90) the same rule with
+// c = 1, not measured.
 constexpr int kRuleSteps = 8, kRuleWarps = 5;
 constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   const int64_t ksteps = ceil_div(K, kStepK), parts = ceil_div(ksteps, kRuleSteps);
