@@ -133,15 +133,17 @@ constexpr TunedShape kTuned[] = {
     // (Llama-3.1-8B) and 4.29 to 3.93 (Qwen3-8B). Qwen3-8B's step swept at 1K on an H100 (session 42)
     // then changed its gate|up and the shared qkv (5.1021 -> 4.9929 ms) and kept the rest;
     // Llama-3.1-8B's the same way (session 43) changed its gate|up (4.9672 -> 4.8922 ms) and kept
-    // its down. The other sizes: choose_config's rule or cost model.
+    // its down. Their batch-8 steps swept the same way (session 45: down, then gate|up) changed
+    // both downs (Llama-3.1-8B 5.4999 -> 5.4065 ms, Qwen3-8B 5.5474 -> 5.5257) and kept the rule's
+    // gate|up. The other sizes: choose_config's rule or cost model.
     {4096, 4096, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},       // q, o
     {1024, 4096, {1, 5, 2, 8}, kModel, kModel, kModel, kModel},       // k, v
     {6144, 4096, {1, 4, 4, 4}, kModel, kModel, kModel, kModel},       // qkv
     {28672, 4096, {1, 4, 4, 4}, kModel, kModel, kModel, kModel},      // Llama-3.1-8B gate|up
-    {4096, 14336, {1, 7, 1, 8}, kModel, kModel, kModel, kModel},      // Llama-3.1-8B down
+    {4096, 14336, {1, 7, 1, 8}, {2, 4, 2, 8}, kModel, kModel, kModel},  // Llama-3.1-8B down
     {128256, 4096, {2, 4, 2, 8}, kModel, kModel, kModel, kModel},     // Llama-3.1-8B lm_head
     {24576, 4096, {1, 4, 4, 4}, kModel, kModel, kModel, kModel},      // Qwen3-8B gate|up
-    {4096, 12288, {1, 8, 1, 8}, kModel, kModel, kModel, kModel},      // Qwen3-8B down
+    {4096, 12288, {1, 8, 1, 8}, {2, 4, 2, 8}, kModel, kModel, kModel},  // Qwen3-8B down
     {151936, 4096, {2, 4, 2, 8}, kModel, kModel, kModel, kModel},     // Qwen3-8B lm_head
     // Qwen3-30B-A3B's router (with the RMS scale) and o projection: swept inside the batch-1 step at
     // 1K on an H100 (`python -m bench.decode --sweep-gemv --models qwen3-30b-a3b --cases 1x1024
@@ -209,11 +211,11 @@ constexpr TunedShape kTuned[] = {
 // one model left out and costed on it, 0.61%. On models none of that saw (session 43, the same
 // H100, the rule's picks forced against the cost model's in the step): Qwen2.5-3B 5.0% faster at
 // batch 1 and 10.7% at 8, Qwen2.5-0.5B 16.7% faster at 8 but 0.7% slower at 1, Llama-3.1-8B and
-// Qwen3-8B at batch 8 (their M = 8 not in the table) 6.3% and 8.1% faster. As built (session 44),
-// the 16 shapes of the first two swept in their steps cost 1.07% of the step a shape against their
-// best (then tabled); refitted with those lines too, (8 k-steps, 6 k-warps) comes first at 0.708%
-// against these constants' 0.710%, so they stay. Without clusters (below sm_90) the same rule with
-// c = 1, not measured.
+// Qwen3-8B at batch 8 (their M = 8 not in the table) 6.3% and 8.1% faster. As built (sessions 44
+// and 45), the 20 shapes of the four then swept in their steps cost 0.96% of the step a shape
+// against their best (then tabled; at most 2.91%); refitted with those lines too, (8 k-steps, 6
+// k-warps) comes first at 0.696% against these constants' 0.699%, so they stay. Without clusters
+// (below sm_90) the same rule with c = 1, not measured.
 constexpr int kRuleSteps = 8, kRuleWarps = 5;
 constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   const int64_t ksteps = ceil_div(K, kStepK), parts = ceil_div(ksteps, kRuleSteps);

@@ -690,6 +690,7 @@ def test_gemv_config_table_then_rule():
     assert f(2048, 6144, 1, clusters=False) == [1, 8, 1, 8]  # 192 k-steps over 8 warps: 24 each, U = 8
     assert f(1, 2048, 1) == f(77777, 2048, 8) == [1, 4, 2, 4]
     assert f(2560, 2048, 4) == [1, 4, 2, 4] and f(2560, 2048, 5) == [2, 2, 4, 8]  # Qwen2.5-3B qkv: M = 5..8 only
+    assert f(4096, 14336, 8) == f(4096, 12288, 5) == [2, 4, 2, 8]  # the 8Bs' downs at M = 5..8
 
 
 @pytest.mark.ext
