@@ -11,7 +11,7 @@ time against the shape's best configuration, in % of the step. Lines with "parti
 42's printouts) hold only the five best; a configuration outside them is charged the fifth's cost
 plus PARTIAL_MISS points (a guess: it is at least the fifth's).
 
-    python -m bench.gemv_rule                         # bench/gemv_sweeps.jsonl (H100, sessions 41-44)
+    python -m bench.gemv_rule                         # bench/gemv_sweeps.jsonl (H100, sessions 41-45)
     python -m bench.gemv_rule --data a.jsonl,b.jsonl  # other sweeps (e.g. an H200's)
     python -m bench.gemv_rule --loo                   # also refitted with one model left out at a time
 """

@@ -4,9 +4,10 @@
 // (csrc/rope_append.cu) through gemv.h.
 //
 // The kernel and its idea: csrc/gemv_kernel.cuh.
-// The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from a table of measured
-// shapes (kTuned), else by a rule fitted to in-step sweeps up to 8 rows of x (rule_config), else
-// (9-64 rows) with a small cost model of waves, bytes in flight and load latency.
+// The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from tables of measured
+// shapes (kTuned; kTunedRows for some at 2-4 rows), else by a rule fitted to in-step sweeps up to 8 rows of
+// x (rule_config), else (9-64 rows) with a small cost model of waves, bytes in flight and load
+// latency.
 // DECODEX_GEMV_CONFIG overrides the choice, for all shapes or per shape (a tuning knob for
 // bench/gemv.py --sweep and bench/decode.py --sweep-gemv, not for the model).
 #include <algorithm>
@@ -83,11 +84,11 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 }
 
 // Configurations measured fastest on the H200 for the Qwen2.5-1.5B and -7B shapes, one per range of
-// M: 1..4, 5..8, then the wide variants 9..16, 17..32, 33..64 (an entry of zeros, kModel:
-// choose_config's rule or cost model). Up to 8 rows they were chosen inside the decode step, as
-// `python -m bench.decode --sweep-gemv` does: each shape's configurations forced in turn through
-// DECODEX_GEMV_CONFIG, the step's graph replays timed (2026-12-01, with a scratch copy of that
-// sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change
+// M: 1..4 (kTunedRows below overrides some at 2..4), 5..8, then the wide variants 9..16, 17..32,
+// 33..64 (an entry of zeros, kModel: choose_config's rule or cost model). Up to 8 rows they were
+// chosen inside the decode step, as `python -m bench.decode --sweep-gemv` does: each shape's
+// configurations forced in turn through DECODEX_GEMV_CONFIG, the step's graph replays timed
+// (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change
 // what is best: for example the 1.5B down projection gains from cluster split-K (192 blocks instead
 // of 96) in the step; alone it gains only with prefetch_weight (plain calls lose). The 7B q/o
 // M <= 4 entry is from the sweep of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9%
@@ -201,6 +202,28 @@ constexpr TunedShape kTuned[] = {
     {2560, 2048, kModel, {2, 2, 4, 8}, kModel, kModel, kModel},         // Qwen2.5-3B qkv
 };
 
+// Rows m_from to 4 of x where an in-step sweep at batch 4 beat the shape's M = 1 entry (which
+// kTuned's m1 serves for M = 1..4 otherwise): `python -m bench.decode --sweep-gemv --models 1.5b
+// --cases 4x1024`, then `--models 7b` (H100, session 45; the shapes swept in the table's order, each
+// with the ones kept before it in place): Qwen2.5-1.5B 1.3327 -> 1.2971 ms a step (-2.7%),
+// Qwen2.5-7B 4.8699 -> 4.8019 (-1.4%); their other shapes kept the M = 1 entry. Against the M = 1
+// entries in the step (interleaved A/B, same H100): the 7B 3.9% / 2.6% / 2.2% faster at batches 2 /
+// 3 / 4, the 1.5B 2.7% / 2.4% faster at 3 / 4 but 0.3% slower at 2, so the 1.5B's serve 3-4 rows.
+struct TunedRows {
+  int64_t N, K;
+  int m_from;  // the fewest rows of x the entry serves (up to kTunedRowsTo)
+  GemvConfig cf;
+};
+constexpr int kTunedRowsTo = 4;
+constexpr TunedRows kTunedRows[] = {
+    {2048, 1536, 3, {2, 2, 4, 4}},    // Qwen2.5-1.5B qkv
+    {17920, 1536, 3, {1, 3, 2, 4}},   // Qwen2.5-1.5B gate|up
+    {1536, 8960, 3, {1, 5, 4, 8}},    // Qwen2.5-1.5B down
+    {4608, 3584, 2, {2, 1, 4, 8}},    // Qwen2.5-7B qkv
+    {37888, 3584, 2, {1, 7, 1, 4}},   // Qwen2.5-7B gate|up
+    {152064, 3584, 2, {1, 7, 1, 4}},  // Qwen2.5-7B lm_head
+};
+
 // The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about
 // kRuleSteps k-steps (two trips of U = 4), the warps' k-ranges split over up to kRuleWarps warps a
 // block and the rest over a cluster of up to kMaxCluster blocks; one warp row a block. Fitted to
@@ -228,6 +251,11 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
 // kTuned's entry for a weight [N, K] at M rows of x, else up to kMaxRows rows rule_config: the
 // choices that need no device (gemv_config reports them).
 std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters) {
+  for (const TunedRows& t : kTunedRows) {
+    if (t.N == N && t.K == K && M >= t.m_from && M <= kTunedRowsTo && (clusters || t.cf.c == 1)) {
+      return t.cf;
+    }
+  }
   for (const TunedShape& t : kTuned) {
     const GemvConfig& cf = M <= 4 ? t.m1 : M <= 8 ? t.m8 : M <= 16 ? t.m16 : M <= 32 ? t.m32 : t.m64;
     if (t.N == N && t.K == K && !is_model(cf) && (clusters || cf.c == 1)) return cf;
@@ -279,9 +307,19 @@ constexpr bool tuned_table_ok() {
       if (kTuned[j].N == t.N && kTuned[j].K == t.K) return false;
     }
   }
+  for (size_t i = 0; i < std::size(kTunedRows); ++i) {
+    if (!config_valid(kTunedRows[i].cf, true) || kTunedRows[i].m_from < 2 ||
+        kTunedRows[i].m_from > kTunedRowsTo) {
+      return false;
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (kTunedRows[j].N == kTunedRows[i].N && kTunedRows[j].K == kTunedRows[i].K) return false;
+    }
+  }
   return true;
 }
-static_assert(tuned_table_ok(), "kTuned: an entry the kernel does not have, or a shape listed twice");
+static_assert(tuned_table_ok(),
+              "kTuned / kTunedRows: an entry the kernel does not have, or a shape listed twice");
 
 // rule_config checked at compile time for every K up to 64K: a configuration the kernel has, with or
 // without clusters, whose k-ranges all get at least one k-step.

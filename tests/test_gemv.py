@@ -691,6 +691,12 @@ def test_gemv_config_table_then_rule():
     assert f(1, 2048, 1) == f(77777, 2048, 8) == [1, 4, 2, 4]
     assert f(2560, 2048, 4) == [1, 4, 2, 4] and f(2560, 2048, 5) == [2, 2, 4, 8]  # Qwen2.5-3B qkv: M = 5..8 only
     assert f(4096, 14336, 8) == f(4096, 12288, 5) == [2, 4, 2, 8]  # the 8Bs' downs at M = 5..8
+    # kTunedRows: the 7B qkv at M = 2..4, the 1.5B qkv at 3..4 (a cluster of 4; kTuned's m1 without
+    # clusters, at M = 1 and at the 1.5B's M = 2)
+    assert f(4608, 3584, 2) == f(4608, 3584, 4) == [2, 1, 4, 8] and f(4608, 3584, 1) == [1, 5, 1, 8]
+    assert f(2048, 1536, 3) == f(2048, 1536, 4) == [2, 2, 4, 4]
+    assert f(2048, 1536, 1) == f(2048, 1536, 2) == f(2048, 1536, 3, clusters=False) == [1, 6, 1, 8]
+    assert f(2048, 1536, 5) == [1, 6, 1, 8]
 
 
 @pytest.mark.ext
