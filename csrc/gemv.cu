@@ -206,9 +206,10 @@ constexpr TunedShape kTuned[] = {
 // kTuned's m1 serves for M = 1..4 otherwise): `python -m bench.decode --sweep-gemv --models 1.5b
 // --cases 4x1024`, then `--models 7b` (H100, session 45; the shapes swept in the table's order, each
 // with the ones kept before it in place): Qwen2.5-1.5B 1.3327 -> 1.2971 ms a step (-2.7%),
-// Qwen2.5-7B 4.8699 -> 4.8019 (-1.4%); their other shapes kept the M = 1 entry. Against the M = 1
-// entries in the step (interleaved A/B, same H100): the 7B 3.9% / 2.6% / 2.2% faster at batches 2 /
-// 3 / 4, the 1.5B 2.7% / 2.4% faster at 3 / 4 but 0.3% slower at 2, so the 1.5B's serve 3-4 rows.
+// Qwen2.5-7B 4.8699 -> 4.8019 (-1.4%); their other shapes kept the M = 1 entry. In the step
+// (interleaved A/B, same H100), the M = 1 entries forced back made the 7B 3.9% / 2.6% / 2.2% slower
+// at batches 2 / 3 / 4 and the 1.5B 2.7% / 2.4% slower at 3 / 4 but 0.3% faster at 2, so the 1.5B's
+// serve 3-4 rows.
 struct TunedRows {
   int64_t N, K;
   int m_from;  // the fewest rows of x the entry serves (up to kTunedRowsTo)
