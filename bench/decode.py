@@ -450,8 +450,9 @@ def sweep_gemv(model, batch: int, context: int, shapes=None, rms=None, json_path
     weight shape in turn (down, gate|up or the router, qkv, o, lm_head), the step is captured once per kernel
     configuration of that shape (bench.gemv's list, forced through DECODEX_GEMV_CONFIG's per-shape
     form, the shapes before it at their kept choice) and its replays timed; a configuration is kept
-    if it beats the step as it was by more than 0.3%. batch <= 4 tunes csrc/gemv.cu's M = 1 entries,
-    5..8 its M = 8 ones. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept.
+    if it beats the step as it was by more than 0.3%. batch 1 tunes csrc/gemv.cu's M = 1 entries
+    (kTuned's, which also serve 2..4 rows where kTunedRows lacks the shape), 2..4 kTunedRows, 5..8
+    the M = 8 entries. Prints each shape's five best and returns {(N, K): "wr,wk,c,u"} kept.
     shapes: only these weight shapes [(N, K)]; rms: the norm choice forced on every graph size of up
     to 8 rows (an RMS_CHOICES entry) instead of the engine's, so the RMS variant is what is tuned.
     json_path: also append one JSON line a shape to this file, with every configuration's step time
