@@ -5,9 +5,9 @@
 //
 // The kernel and its idea: csrc/gemv_kernel.cuh.
 // The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from tables of measured
-// shapes (kTuned; kTunedRows for some at 2-4 rows), else by a rule fitted to in-step sweeps up to 8 rows of
-// x (rule_config), else (9-64 rows) with a small cost model of waves, bytes in flight and load
-// latency.
+// shapes (kTuned; kTunedRows for some at 2-4 rows), else by a rule fitted to in-step sweeps up to 8
+// rows of x (rule_config), else (9-64 rows) with a small cost model of waves, bytes in flight and
+// load latency.
 // DECODEX_GEMV_CONFIG overrides the choice, for all shapes or per shape (a tuning knob for
 // bench/gemv.py --sweep and bench/decode.py --sweep-gemv, not for the model).
 #include <algorithm>
@@ -88,22 +88,23 @@ double estimate_us(int64_t N, int64_t K, int M, int sms, const GemvConfig& cf, i
 // 33..64 (an entry of zeros, kModel: choose_config's rule or cost model). Up to 8 rows they were
 // chosen inside the decode step, as `python -m bench.decode --sweep-gemv` does: each shape's
 // configurations forced in turn through DECODEX_GEMV_CONFIG, the step's graph replays timed
-// (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md, session 7). The kernel ahead and programmatic dependent launch change
-// what is best: for example the 1.5B down projection gains from cluster split-K (192 blocks instead
-// of 96) in the step; alone it gains only with prefetch_weight (plain calls lose). The 7B q/o
-// M <= 4 entry is from the sweep of session 24 (U = 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9%
-// at 32K and batches 2 and 4); with the cluster push that session, clusters of 4 won the 1.5B down
-// and o projections at 1K (0.3-0.45%) but lost 0.4% at 32K each, so those entries stay. The 7B down
-// M <= 4 entry is from the sweep of session 25, after the c = 1 instances lost their cluster code
-// (their registers fell, the old (1,8,1,4) went from 2 to 3 blocks an SM, and the step took 1%
-// longer; (2,4,2,8) is 2.1% faster than it); after the split-K push moved to st.async (session 28)
-// the in-step sweep at batch 1 picked (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8)
-// and 0.6% at 32K (batches 2 to 4, which share the entry, were not timed with it). The wide ones
-// are the best of `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session
-// 9), where the cost model, which sees no x traffic, was up to 2.7x slower. The entries after those
-// were swept inside the steps of their models on an H100 (sessions 41-44), except the 8B ones
-// chosen alone (see there); the in-step sweeps took 2-13% off steps that had run on the cost
-// model's choices. Other shapes use rule_config up to kMaxRows rows of x and the cost model above.
+// (2026-12-01, with a scratch copy of that sweep; bench/RESULTS.md, session 7). The kernel ahead
+// and programmatic dependent launch change what is best: for example the 1.5B down projection gains
+// from cluster split-K (192 blocks instead of 96) in the step; alone it gains only with
+// prefetch_weight (plain calls lose). The 7B q/o M <= 4 entry is from the sweep of session 24 (U =
+// 8 over U = 4: the step 0.7% faster at 1K, 0.2-0.9% at 32K and batches 2 and 4); with the cluster
+// push that session, clusters of 4 won the 1.5B down and o projections at 1K (0.3-0.45%) but lost
+// 0.4% at 32K each, so those entries stay. The 7B down M <= 4 entry is from the sweep of session
+// 25, after the c = 1 instances lost their cluster code (their registers fell, the old (1,8,1,4)
+// went from 2 to 3 blocks an SM, and the step took 1% longer; (2,4,2,8) is 2.1% faster than it);
+// after the split-K push moved to st.async (session 28) the in-step sweep at batch 1 picked
+// (1,5,8,8), 0.8% faster in the 7B step at 1K than (2,4,2,8) and 0.6% at 32K (batches 2 to 4 share
+// the entry: session 45's sweep at batch 4 found none better). The wide ones are the best of
+// `python -m bench.gemv --sweep --ms 16,32,64` (L2-cold, prefetch_weight; session 9), where the
+// cost model, which sees no x traffic, was up to 2.7x slower. The entries after those were swept
+// inside the steps of their models on an H100 (sessions 41-45), except the 8B ones chosen alone
+// (see there); the in-step sweeps took 2-13% off steps that had run on the cost model's choices.
+// Other shapes use rule_config up to kMaxRows rows of x and the cost model above.
 struct TunedShape {
   int64_t N, K;
   GemvConfig m1, m8, m16, m32, m64;
@@ -249,8 +250,8 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   return {1, wk, c, ceil_div(ksteps, int64_t{wk} * c) > kRuleSteps ? 8 : 4};
 }
 
-// kTuned's entry for a weight [N, K] at M rows of x, else up to kMaxRows rows rule_config: the
-// choices that need no device (gemv_config reports them).
+// kTunedRows' or else kTuned's entry for a weight [N, K] at M rows of x, else up to kMaxRows rows
+// rule_config: the choices that need no device (gemv_config reports them).
 std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters) {
   for (const TunedRows& t : kTunedRows) {
     if (t.N == N && t.K == K && M >= t.m_from && M <= kTunedRowsTo && (clusters || t.cf.c == 1)) {
