@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -297,28 +296,30 @@ constexpr bool config_valid(const GemvConfig& cf, bool clusters) {
          (cf.u == 4 || cf.u == 8) && (clusters || cf.c == 1);
 }
 
-// kTuned checked at compile time: every entry kModel or a configuration the kernel has, and no shape
-// listed twice (choose_config takes the first match, so a second one would never be used).
-constexpr bool tuned_table_ok() {
-  for (size_t i = 0; i < std::size(kTuned); ++i) {
-    const TunedShape& t = kTuned[i];
-    for (const GemvConfig& cf : {t.m1, t.m8, t.m16, t.m32, t.m64}) {
-      if (!is_model(cf) && !config_valid(cf, true)) return false;
-    }
+// Whether no (N, K) appears twice in a table (known_config takes the first match, so a second one
+// would never be used).
+template <typename Entry, size_t n>
+constexpr bool shapes_unique(const Entry (&table)[n]) {
+  for (size_t i = 0; i < n; ++i) {
     for (size_t j = 0; j < i; ++j) {
-      if (kTuned[j].N == t.N && kTuned[j].K == t.K) return false;
-    }
-  }
-  for (size_t i = 0; i < std::size(kTunedRows); ++i) {
-    if (!config_valid(kTunedRows[i].cf, true) || kTunedRows[i].m_from < 2 ||
-        kTunedRows[i].m_from > kTunedRowsTo) {
-      return false;
-    }
-    for (size_t j = 0; j < i; ++j) {
-      if (kTunedRows[j].N == kTunedRows[i].N && kTunedRows[j].K == kTunedRows[i].K) return false;
+      if (table[j].N == table[i].N && table[j].K == table[i].K) return false;
     }
   }
   return true;
+}
+
+// kTuned and kTunedRows checked at compile time: every entry kModel (kTuned only) or a
+// configuration the kernel has, kTunedRows' row ranges within 2..kTunedRowsTo, no shape listed twice.
+constexpr bool tuned_table_ok() {
+  for (const TunedShape& t : kTuned) {
+    for (const GemvConfig& cf : {t.m1, t.m8, t.m16, t.m32, t.m64}) {
+      if (!is_model(cf) && !config_valid(cf, true)) return false;
+    }
+  }
+  for (const TunedRows& t : kTunedRows) {
+    if (!config_valid(t.cf, true) || t.m_from < 2 || t.m_from > kTunedRowsTo) return false;
+  }
+  return shapes_unique(kTuned) && shapes_unique(kTunedRows);
 }
 static_assert(tuned_table_ok(),
               "kTuned / kTunedRows: an entry the kernel does not have, or a shape listed twice");
