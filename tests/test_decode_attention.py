@@ -31,9 +31,9 @@ LONG = 32768  # long-context cases: capacity LONG + 5
 # sm_90, else by the combine on one warp), lengths cycling through the edge cases, the rest spread
 # over [0, capacity].
 FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY = 64, 1029
-# Many splits: batch 1 on a LONG + 5 cache (132 splits at Hkv 2, 264 at Hkv 1 on an H200: 8
-# combine warps, at Hkv 1 33 splits a warp, i.e. two chunks of 32); the short lengths leave most
-# splits empty.
+# Many splits: batch 1 on a LONG + 5 cache (66 splits at Hkv 2 and 132 at Hkv 1 on an H200 in wide
+# 8-warp blocks; with DECODEX_ATTN_WIDE=0 132 and 264 in 4-warp blocks: 8 combine warps, at 264
+# 33 splits a warp, i.e. two chunks of 32); the short lengths leave most splits empty.
 MANY_SPLITS_HEADS = [(12, 2), (4, 1)]
 MANY_SPLITS_LENGTHS = [0, 1, 127, 128, 129, 12345, LONG + 5]
 # DECODEX_TEST_QUICK (set for the compute-sanitizer runs): fewer cases, no 32K ones.
@@ -138,8 +138,11 @@ def test_large_batch_few_splits(H, Hkv, D):
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("H,Hkv", MANY_SPLITS_HEADS)
 @pytest.mark.parametrize("length", MANY_SPLITS_LENGTHS)
-def test_batch_one_many_splits(length, H, Hkv, D):
-    """Batch 1 on a 32K cache: the combine on 8 warps, from all splits live to all empty."""
+@pytest.mark.parametrize("wide", ["1", "0"])
+def test_batch_one_many_splits(monkeypatch, wide, length, H, Hkv, D):
+    """Batch 1 on a 32K cache: the combine on 5-8 warps, from all splits live to all empty; in
+    wide 8-warp split blocks (the default) and in 4-warp ones (twice the splits)."""
+    monkeypatch.setenv("DECODEX_ATTN_WIDE", wide)
     check_lengths([length], H, Hkv, D, LONG + 5)
 
 
@@ -448,7 +451,8 @@ def test_schemas_registered():
 
 
 @pytest.mark.ext
-def test_splits_heuristic_is_sane():
+def test_splits_heuristic_is_sane(monkeypatch):
+    monkeypatch.delenv("DECODEX_ATTN_WIDE", raising=False)
     f = torch.ops.decodex.decode_attention_splits
     sms = 132
     prev = 0
@@ -457,18 +461,28 @@ def test_splits_heuristic_is_sane():
         assert 1 <= n <= max(1, math.ceil(capacity / 128)), (capacity, n)  # no absurd splits
         assert n >= prev, "must not decrease as the capacity grows"
         prev = n
-    for kv in (2, 4, 8):  # a long cache fills the GPU: at least one block per SM, at most ~2 waves
+    for kv in (2, 4, 8):  # a long cache fills the GPU: one wave of one wide block an SM
         blocks = kv * f(1, kv, 131072, sms)
-        assert sms <= blocks <= 2 * sms + kv
+        assert sms - kv < blocks <= sms
+    for kv in (9, 16, 33):  # ... or, with more (b, KV head) pairs, of two 4-warp blocks an SM
+        blocks = kv * f(1, kv, 131072, sms)
+        assert 2 * sms - kv < blocks <= 2 * sms
     assert f(64, 8, 131072, sms) == 1  # 512 (b, kv head) pairs already fill the GPU
     assert f(1, 2, 32768, 132) >= f(4, 2, 32768, 132) >= f(16, 2, 32768, 132)
     assert f(1, 2, 64, 132) == 1
     # a short cache (at most 16 minimum-length splits) takes 8, so they merge in one cluster
     assert [f(1, 2, c, 132) for c in (1024, 1025, 1500, 2048, 2049)] == [8, 8, 8, 8, 17]
     assert f(8, 2, 32768, 132) == 16  # a long cache keeps its split count
-    for capacity in (1000, 32768):  # non-increasing in batch
-        counts = [f(b, 2, capacity, sms) for b in range(1, 65)]
-        assert counts == sorted(counts, reverse=True), (capacity, counts)
+    # Wide blocks where one an SM gives each pair at least 16 splits (up to 8 pairs at 132 SMs).
+    assert [f(b, 2, 32768, sms) for b in (1, 2, 4, 5, 8)] == [66, 33, 16, 26, 16]
+    for capacity in (1000, 32768):  # non-increasing in batch on either side of that bound
+        for batches in (range(1, 5), range(5, 65)):
+            counts = [f(b, 2, capacity, sms) for b in batches]
+            assert counts == sorted(counts, reverse=True), (capacity, counts)
+    monkeypatch.setenv("DECODEX_ATTN_WIDE", "0")  # 4-warp blocks only: two an SM
+    assert [f(b, 2, 32768, sms) for b in (1, 2, 4, 5, 8)] == [132, 66, 33, 26, 16]
+    assert [f(1, kv, 131072, sms) for kv in (1, 2, 4)] == [264, 132, 66]
+    monkeypatch.delenv("DECODEX_ATTN_WIDE")
     with pytest.raises(RuntimeError, match="batch must be >= 1"):
         f(0, 2, 100, sms)
     with pytest.raises(RuntimeError, match="sm_count must be >= 1"):
