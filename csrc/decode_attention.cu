@@ -29,7 +29,7 @@
 //     (bench/RESULTS.md, session 16), and so does rope_append_attention at the GEMVs' batches
 //     (Qwen3's step at batch 1, whose q/k norms put rope_append's work there: session 40).
 // A block has 4 warps (2 blocks an SM), or 8 (one block an SM) for short caches at batch 1 and 2
-// and for the combine's splits wherever one block an SM still gives 16 or more (split_warps). The
+// and for long caches at up to 4 (b, KV head) pairs (wide_split_blocks, split_warps). The
 // warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: each block pushes its partial's slices
@@ -83,7 +83,7 @@ constexpr int kTile = 16;                  // tokens per warp per step (the mma 
 constexpr int kHeadsPerBlock = 8;          // query heads per block (the mma N extent)
 constexpr int kMinSplitTokens = 128;       // no split shorter than this (2 tiles per warp)
 constexpr int kSplitBlocksPerSm = 2;       // one resident wave of 4-warp split blocks (2 fit an SM)
-constexpr int kWideMinSplits = 16;         // 8-warp blocks, one an SM, where that gives this many
+constexpr int kWideMinSplits = 32;         // 8-warp blocks, one an SM, where that gives this many
 constexpr int kMaxSplits = 1024;           // caps decode_attention_splits
 constexpr int kClusterSplits = 8;          // up to this many splits merge in a cluster (portable)
 constexpr int kStages = 3;                 // a warp's ring of tiles in shared memory
@@ -976,30 +976,33 @@ int combine_batch(int64_t splits) {
 
 // Whether the split blocks are "wide": 8 warps, one block an SM, rather than 4 warps, two an SM
 // (the same 8 warps an SM, each with two 16-token tiles of loads in flight). Wide where one block
-// an SM still gives every (b, KV head) pair at least kWideMinSplits splits, i.e. at most 8 pairs on
-// 132 SMs. Measured in the step on an H100 (bench/RESULTS.md, session 46), against 4-warp blocks:
-// half as many splits of long caches (Qwen2.5-1.5B 1.7% faster at 32K, batch 1; 0.35-0.55% at
-// batches 2 and 4; Qwen2.5-7B 0.3-0.4% at 16K and 32K, batches 1-2) and 8 warps on the same splits
-// (1.5B 0.8% faster at 8K); at 16 pairs (batch 8) one block an SM leaves 8 splits, which took the
-// cluster merge and lost 7-14%, so more pairs keep 4-warp blocks. DECODEX_ATTN_WIDE=0 never takes
-// them (tests and A/B runs; read per call, like the other switches, so set it before sizing a
-// workspace with decode_attention_splits).
-bool wide_split_blocks(int64_t pairs, int64_t sm_count) {
+// an SM still gives every (b, KV head) pair kWideMinSplits splits or more (at most 4 pairs on 132
+// SMs) and the cache is long enough for them to fill that wave (at least as many minimum-length
+// splits); shorter caches keep their splits and 4-warp blocks. Measured in the step on an H100
+// (bench/RESULTS.md, session 46), against 4-warp blocks: Qwen2.5-1.5B 1.8% faster at 32K and 1.2%
+// at 16K (batch 1), 0.4% at 32K (batch 2); Qwen2.5-7B 0.2-0.4% at 8K and 32K. Left out, as
+// measured: 8 pairs (Qwen3-1.7B at batch 1, 16 wide splits, 0.4-0.7% slower; the Qwen2.5s at
+// batches 2-4 0.4-0.5% faster), 8 warps on a short cache's splits (the 1.5B at 4K, 64 blocks, 1.2%
+// slower; the op alone at 8K 11% slower). DECODEX_ATTN_WIDE=0 never takes them (tests and A/B runs;
+// read per call, like the other switches, so set it before sizing a workspace with
+// decode_attention_splits).
+bool wide_split_blocks(int64_t pairs, int64_t capacity, int64_t sm_count) {
   const char* env = std::getenv("DECODEX_ATTN_WIDE");
   if (env != nullptr && env[0] == '0') return false;
-  return sm_count / pairs >= kWideMinSplits;
+  const int64_t fill = sm_count / pairs;
+  return fill >= kWideMinSplits && (capacity + kMinSplitTokens - 1) / kMinSplitTokens >= fill;
 }
 
 }  // namespace
 
 // Splits from the cache capacity, never the live length (so a captured graph stays valid): as many
-// as fit B * Hkv * splits split blocks in one resident wave (one wide block an SM, else
-// kSplitBlocksPerSm 4-warp blocks: wide_split_blocks), but no split shorter than kMinSplitTokens
-// (2 tiles per 4-warp block's warp) so short caches are not cut into slivers whose partials cost
-// more than they save; a short cache whose minimum-length splits number 9 to 16 takes 8, so that
-// its splits can merge in one cluster. Monotone non-decreasing in capacity; non-increasing in batch
-// and KV heads on either side of the wide blocks' bound (at 132 SMs: 16 splits at 8 pairs, 29 at
-// 9); 1 once the (b, kv head) pairs alone fill the GPU.
+// as fit B * Hkv * splits split blocks in one resident wave (one wide block an SM where
+// wide_split_blocks says so, else kSplitBlocksPerSm 4-warp blocks), but no split shorter than
+// kMinSplitTokens (2 tiles per warp of a 4-warp block) so short caches are not cut into slivers
+// whose partials cost more than they save; a short cache whose minimum-length splits number 9 to 16
+// takes 8, so that its splits can merge in one cluster. Monotone non-decreasing in capacity;
+// non-increasing in batch and KV heads on either side of the wide blocks' bound (at 132 SMs on a
+// long cache: 33 splits at 4 pairs, 52 at 5); 1 once the (b, kv head) pairs alone fill the GPU.
 int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t capacity,
                                 int64_t sm_count) {
   DX_CHECK(batch >= 1, "decode_attention_splits: batch must be >= 1, got ", batch);
@@ -1014,8 +1017,9 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
            batch, ", ", num_kv_heads, ", ", capacity, ", ", sm_count);
   const int64_t pairs = batch * num_kv_heads;
   // Rounded down: one wave (group <= 8).
-  const int64_t fill = wide_split_blocks(pairs, sm_count) ? sm_count / pairs
-                                                          : sm_count * kSplitBlocksPerSm / pairs;
+  const int64_t fill = wide_split_blocks(pairs, capacity, sm_count)
+                           ? sm_count / pairs
+                           : sm_count * kSplitBlocksPerSm / pairs;
   const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({fill, by_length, kMaxSplits}));
   // A short cache (at most 2 kClusterSplits minimum-length splits) takes kClusterSplits, so that
@@ -1170,7 +1174,7 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   const bool in_cluster = merge_in_cluster(splits, blocks, q.get_device());
   // rope_append_attention takes the ring path above kRopeRegisterRows rows, always with kWarps warps.
   const bool ring = rope != nullptr && B > kRopeRegisterRows;
-  const bool wide = wide_split_blocks(B * Hkv, sm_count(q.get_device()));
+  const bool wide = wide_split_blocks(B * Hkv, S, sm_count(q.get_device()));
   const int warps = ring ? kWarps : split_warps(in_cluster, wide, blocks, q.get_device());
 
   auto launch = [&](auto d_tag) {

@@ -461,10 +461,10 @@ def test_splits_heuristic_is_sane(monkeypatch):
         assert 1 <= n <= max(1, math.ceil(capacity / 128)), (capacity, n)  # no absurd splits
         assert n >= prev, "must not decrease as the capacity grows"
         prev = n
-    for kv in (2, 4, 8):  # a long cache fills the GPU: one wave of one wide block an SM
+    for kv in (1, 2, 4):  # a long cache fills the GPU: one wave of one wide block an SM
         blocks = kv * f(1, kv, 131072, sms)
         assert sms - kv < blocks <= sms
-    for kv in (9, 16, 33):  # ... or, with more (b, KV head) pairs, of two 4-warp blocks an SM
+    for kv in (5, 8, 16, 33):  # ... or, with more (b, KV head) pairs, of two 4-warp blocks an SM
         blocks = kv * f(1, kv, 131072, sms)
         assert 2 * sms - kv < blocks <= 2 * sms
     assert f(64, 8, 131072, sms) == 1  # 512 (b, kv head) pairs already fill the GPU
@@ -473,14 +473,17 @@ def test_splits_heuristic_is_sane(monkeypatch):
     # a short cache (at most 16 minimum-length splits) takes 8, so they merge in one cluster
     assert [f(1, 2, c, 132) for c in (1024, 1025, 1500, 2048, 2049)] == [8, 8, 8, 8, 17]
     assert f(8, 2, 32768, 132) == 16  # a long cache keeps its split count
-    # Wide blocks where one an SM gives each pair at least 16 splits (up to 8 pairs at 132 SMs).
-    assert [f(b, 2, 32768, sms) for b in (1, 2, 4, 5, 8)] == [66, 33, 16, 26, 16]
+    # Wide blocks where one an SM gives each pair at least 32 splits (up to 4 pairs at 132 SMs) and
+    # the cache has that many minimum-length splits; shorter caches keep their splits.
+    assert [f(b, 2, 32768, sms) for b in (1, 2, 3, 4, 8)] == [66, 33, 44, 33, 16]
+    assert [f(1, 2, c, sms) for c in (4096, 65 * 128, 65 * 128 + 1)] == [32, 65, 66]
     for capacity in (1000, 32768):  # non-increasing in batch on either side of that bound
-        for batches in (range(1, 5), range(5, 65)):
+        for batches in (range(1, 3), range(3, 65)):
             counts = [f(b, 2, capacity, sms) for b in batches]
             assert counts == sorted(counts, reverse=True), (capacity, counts)
     monkeypatch.setenv("DECODEX_ATTN_WIDE", "0")  # 4-warp blocks only: two an SM
-    assert [f(b, 2, 32768, sms) for b in (1, 2, 4, 5, 8)] == [132, 66, 33, 26, 16]
+    assert [f(b, 2, 32768, sms) for b in (1, 2, 3, 4, 8)] == [132, 66, 44, 33, 16]
+    assert f(1, 2, 65 * 128 + 1, sms) == 66
     assert [f(1, kv, 131072, sms) for kv in (1, 2, 4)] == [264, 132, 66]
     monkeypatch.delenv("DECODEX_ATTN_WIDE")
     with pytest.raises(RuntimeError, match="batch must be >= 1"):
