@@ -38,7 +38,7 @@
 // with no workspace round trip and no second kernel. Otherwise the partials go to the workspace and a
 // second small kernel merges the splits (log-sum-exp) and writes bf16. It runs one
 // block per (b, head) with 1-8 warps, one per 16 splits (on an H200 with Hkv = 2: 16 splits at
-// batch 8 on a 32K cache, one warp and no barrier; 132 at batch 1 on 32K, 8 warps); each warp walks
+// batch 8 on a 32K cache, one warp and no barrier; 66 at batch 1 on 32K, 5 warps); each warp walks
 // its share of the splits in chunks of 32 with an online rescale, all of a chunk's rows of o in
 // flight at once, and the warps merge through shared memory. That kernel is launched with
 // programmatic dependent launch so its launch overlaps the first kernel's tail (it executes
