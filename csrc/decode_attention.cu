@@ -982,7 +982,7 @@ int combine_batch(int64_t splits) {
 // (bench/RESULTS.md, session 46), against 4-warp blocks: Qwen2.5-1.5B 1.8% faster at 32K and 1.2%
 // at 16K (batch 1), 0.4% at 32K (batch 2); Qwen2.5-7B 0.2-0.3% at 8K to 32K. Left out, as
 // measured: 8 pairs (Qwen3-1.7B at batch 1, 16 wide splits, 0.4-0.7% slower; the Qwen2.5s at
-// batches 2-4 0.4-0.5% faster), 8 warps on a short cache's splits (the 1.5B at 4K, 64 blocks, 1.2%
+// batches 2-4 0.4-0.5% faster), 8 warps on a short cache's splits (the 1.5B at 4K, 68 blocks, 1.2%
 // slower; the op alone at 8K 11% slower). DECODEX_ATTN_WIDE=0 never takes them (tests and A/B runs;
 // read per call, like the other switches, so set it before sizing a workspace with
 // decode_attention_splits).
