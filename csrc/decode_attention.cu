@@ -974,6 +974,11 @@ int combine_batch(int64_t splits) {
   return (splits + w - 1) / w <= 8 ? 8 : 32;
 }
 
+// Splits of kMinSplitTokens that a cache of this capacity holds (the last one partial).
+constexpr int64_t min_length_splits(int64_t capacity) {
+  return (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
+}
+
 // Whether the split blocks are "wide": 8 warps, one block an SM, rather than 4 warps, two an SM
 // (the same 8 warps an SM, each with two 16-token tiles of loads in flight). Wide where one block
 // an SM still gives every (b, KV head) pair kWideMinSplits splits or more (at most 4 pairs on 132
@@ -985,12 +990,16 @@ int combine_batch(int64_t splits) {
 // batches 2-4 0.4-0.5% faster), 8 warps on a short cache's splits (the 1.5B at 4K, 68 blocks, 1.2%
 // slower; the op alone at 8K 11% slower). DECODEX_ATTN_WIDE=0 never takes them (tests and A/B runs;
 // read per call, like the other switches, so set it before sizing a workspace with
-// decode_attention_splits).
+// decode_attention_splits); =1 or unset, this rule; another value is an error.
 bool wide_split_blocks(int64_t pairs, int64_t capacity, int64_t sm_count) {
   const char* env = std::getenv("DECODEX_ATTN_WIDE");
-  if (env != nullptr && env[0] == '0') return false;
+  if (env != nullptr && *env != '\0') {
+    const std::string v(env);
+    DX_CHECK(v == "0" || v == "1", "DECODEX_ATTN_WIDE must be 0 or 1 (or unset), got \"", v, "\"");
+    if (v == "0") return false;
+  }
   const int64_t fill = sm_count / pairs;
-  return fill >= kWideMinSplits && (capacity + kMinSplitTokens - 1) / kMinSplitTokens >= fill;
+  return fill >= kWideMinSplits && min_length_splits(capacity) >= fill;
 }
 
 }  // namespace
@@ -1020,7 +1029,7 @@ int64_t decode_attention_splits(int64_t batch, int64_t num_kv_heads, int64_t cap
   const int64_t fill = wide_split_blocks(pairs, capacity, sm_count)
                            ? sm_count / pairs
                            : sm_count * kSplitBlocksPerSm / pairs;
-  const int64_t by_length = (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
+  const int64_t by_length = min_length_splits(capacity);
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({fill, by_length, kMaxSplits}));
   // A short cache (at most 2 kClusterSplits minimum-length splits) takes kClusterSplits, so that
   // its splits merge inside one cluster, with no combine kernel.
@@ -1155,8 +1164,8 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   DX_CHECK(!spans_overlap(workspace, out), op, ": workspace and out must not overlap");
 
   c10::cuda::CUDAGuard guard(q.device());
-  const int64_t splits = decode_attention_splits(std::max<int64_t>(B, 1), Hkv, S,
-                                                 sm_count(q.get_device()));
+  const int sms = sm_count(q.get_device());
+  const int64_t splits = decode_attention_splits(std::max<int64_t>(B, 1), Hkv, S, sms);
   DX_CHECK(workspace.size(0) == B && workspace.size(1) == H && workspace.size(3) == D + 2,
               "workspace must have shape [B, H, splits, D + 2] = [", B, ", ", H, ", >= ", splits,
               ", ", D + 2, "], got ", workspace.sizes());
@@ -1174,7 +1183,7 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   const bool in_cluster = merge_in_cluster(splits, blocks, q.get_device());
   // rope_append_attention takes the ring path above kRopeRegisterRows rows, always with kWarps warps.
   const bool ring = rope != nullptr && B > kRopeRegisterRows;
-  const bool wide = wide_split_blocks(B * Hkv, S, sm_count(q.get_device()));
+  const bool wide = wide_split_blocks(B * Hkv, S, sms);
   const int warps = ring ? kWarps : split_warps(in_cluster, wide, blocks, q.get_device());
 
   auto launch = [&](auto d_tag) {

@@ -391,6 +391,16 @@ def test_rejects_small_workspace():
         _ops().decode_attention(*args)
 
 
+@pytest.mark.ext
+@pytest.mark.parametrize("value", ["2", "off", "false"])
+def test_rejects_bad_wide_switch(monkeypatch, value):
+    """DECODEX_ATTN_WIDE takes 0 or 1; anything else ("false" among them) is an error naming it, not
+    a silent "on". decode_attention_splits reads it, so this needs no GPU."""
+    monkeypatch.setenv("DECODEX_ATTN_WIDE", value)
+    with pytest.raises(RuntimeError, match="DECODEX_ATTN_WIDE must be 0 or 1"):
+        torch.ops.decodex.decode_attention_splits(1, 2, 32768, 132)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("value", ["6", "16", "eight"])
 def test_rejects_bad_warps_switch(monkeypatch, value):
@@ -481,6 +491,8 @@ def test_splits_heuristic_is_sane(monkeypatch):
         for batches in (range(1, 3), range(3, 65)):
             counts = [f(b, 2, capacity, sms) for b in batches]
             assert counts == sorted(counts, reverse=True), (capacity, counts)
+    monkeypatch.setenv("DECODEX_ATTN_WIDE", "1")  # the rule, as unset
+    assert [f(b, 2, 32768, sms) for b in (1, 2, 3, 4, 8)] == [66, 33, 44, 33, 16]
     monkeypatch.setenv("DECODEX_ATTN_WIDE", "0")  # 4-warp blocks only: two an SM
     assert [f(b, 2, 32768, sms) for b in (1, 2, 3, 4, 8)] == [132, 66, 44, 33, 16]
     assert f(1, 2, 65 * 128 + 1, sms) == 66
