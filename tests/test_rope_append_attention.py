@@ -7,8 +7,8 @@ decode_attention bit for bit (both are tested against the fp32 reference in thei
 composition is also checked against reference.rope_append_attention here), and q, k, v must be left
 as they were. GPU tests cover the decode step's rows (positions = lengths - 1) and the odd ones (a dead
 row, a position past the length, length 0 with a position, a position past the capacity), both
-split merges, both tile paths (registers up to 8 rows, the shared-memory ring above), groups of more
-than 8 heads, q/k norms, prefetch_cache, CUDA-graph replay with positions and lengths changed on the
+split merges, both tile paths (registers up to 8 rows, the shared-memory ring above), wide split
+blocks on a long cache, groups of more than 8 heads, q/k norms, prefetch_cache, CUDA-graph replay with positions and lengths changed on the
 device, and the argument checks. CPU tests: schema and fake impl.
 """
 from __future__ import annotations
@@ -160,6 +160,26 @@ def test_matches_reference(with_norms):
     torch.testing.assert_close(kc.float(), kc_ref.float(), rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(vc, vc_ref)
     torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv", [(12, 2), (32, 4)])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("with_norms", [False, True])
+def test_wide_blocks(monkeypatch, H, Hkv, prefetch, with_norms):
+    """One row on a long cache takes wide split blocks (8 warps, one an SM: the split count is one
+    block an SM per KV head), as the Qwen3 steps do at batch 1 (Qwen3-30B-A3B: 32 heads over 4 KV
+    heads, q/k norms); the appended row the last one, or inside a split."""
+    monkeypatch.delenv("DECODEX_ATTN_WARPS")  # the op's own choice
+    S = 33000
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms // Hkv < 32:
+        pytest.skip(f"{sms} SMs leave {Hkv} KV heads fewer than 32 wide splits each: no wide blocks")
+    assert torch.ops.decodex.decode_attention_splits(1, Hkv, S, sms) == sms // Hkv
+    for n in (S, 32737):
+        t = _inputs([n], [n - 1], H, Hkv, 128, S, with_rms=not with_norms, with_bias=True,
+                    with_norms=with_norms)
+        _check_equal(t, 128 ** -0.5, prefetch)
 
 
 @pytest.mark.gpu
