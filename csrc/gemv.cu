@@ -209,7 +209,9 @@ constexpr TunedShape kTuned[] = {
 // Qwen2.5-7B 4.8699 -> 4.8019 (-1.4%); their other shapes kept the M = 1 entry. In the step
 // (interleaved A/B, same H100), the M = 1 entries forced back made the 7B 3.9% / 2.6% / 2.2% slower
 // at batches 2 / 3 / 4 and the 1.5B 2.7% / 2.4% slower at 3 / 4 but 0.3% faster at 2, so the 1.5B's
-// serve 3-4 rows.
+// serve 3-4 rows. Llama-3.1-8B's down: the same sweep (H100, session 46) found (1,4,8,8) 0.5% faster
+// at batch 4; as built, its M = 1 entry forced back made the step 0.14% / 0.44% / 0.37% slower at
+// batches 2 / 3 / 4 (H100, session 47), so it serves 2-4 rows.
 struct TunedRows {
   int64_t N, K;
   int m_from;  // the fewest rows of x the entry serves (up to kTunedRowsTo)
@@ -223,6 +225,7 @@ constexpr TunedRows kTunedRows[] = {
     {4608, 3584, 2, {2, 1, 4, 8}},    // Qwen2.5-7B qkv
     {37888, 3584, 2, {1, 7, 1, 4}},   // Qwen2.5-7B gate|up
     {152064, 3584, 2, {1, 7, 1, 4}},  // Qwen2.5-7B lm_head
+    {4096, 14336, 2, {1, 4, 8, 8}},   // Llama-3.1-8B down
 };
 
 // The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about

@@ -697,6 +697,8 @@ def test_gemv_config_table_then_rule():
     assert f(2048, 1536, 3) == f(2048, 1536, 4) == [2, 2, 4, 4]
     assert f(2048, 1536, 1) == f(2048, 1536, 2) == f(2048, 1536, 3, clusters=False) == [1, 6, 1, 8]
     assert f(2048, 1536, 5) == [1, 6, 1, 8]
+    # ... and Llama-3.1-8B's down at M = 2..4 (a cluster of 8)
+    assert f(4096, 14336, 2) == f(4096, 14336, 4) == [1, 4, 8, 8] and f(4096, 14336, 1) == [1, 7, 1, 8]
 
 
 @pytest.mark.ext
