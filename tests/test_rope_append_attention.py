@@ -8,8 +8,9 @@ composition is also checked against reference.rope_append_attention here), and q
 as they were. GPU tests cover the decode step's rows (positions = lengths - 1) and the odd ones (a dead
 row, a position past the length, length 0 with a position, a position past the capacity), both
 split merges, both tile paths (registers up to 8 rows, the shared-memory ring above), wide split
-blocks on a long cache, groups of more than 8 heads, q/k norms, prefetch_cache, CUDA-graph replay with positions and lengths changed on the
-device, and the argument checks. CPU tests: schema and fake impl.
+blocks on a long cache, groups of more than 8 heads, q/k norms, prefetch_cache, CUDA-graph replay
+with positions and lengths changed on the device, and the argument checks. CPU tests: schema and
+fake impl.
 """
 from __future__ import annotations
 
@@ -173,7 +174,7 @@ def test_wide_blocks(monkeypatch, H, Hkv, prefetch, with_norms):
     monkeypatch.delenv("DECODEX_ATTN_WARPS")  # the op's own choice
     S = 33000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if sms // Hkv < 32:
+    if sms // Hkv < 32:  # kWideMinSplits
         pytest.skip(f"{sms} SMs leave {Hkv} KV heads fewer than 32 wide splits each: no wide blocks")
     assert torch.ops.decodex.decode_attention_splits(1, Hkv, S, sms) == sms // Hkv
     for n in (S, 32737):
