@@ -66,6 +66,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -974,6 +975,16 @@ int combine_batch(int64_t splits) {
   return (splits + w - 1) / w <= 8 ? 8 : 32;
 }
 
+// An A/B switch of two values (tests and A/B runs; read per call): nullopt where `name` is unset or
+// empty, else whether it is `on` rather than `off`; any other value is an error naming the switch.
+std::optional<bool> env_switch(const char* name, const char* off, const char* on) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  const std::string v(env);
+  DX_CHECK(v == off || v == on, name, " must be ", off, " or ", on, " (or unset), got \"", v, "\"");
+  return v == on;
+}
+
 // Splits of kMinSplitTokens that a cache of this capacity holds (the last one partial).
 constexpr int64_t min_length_splits(int64_t capacity) {
   return (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
@@ -992,12 +1003,7 @@ constexpr int64_t min_length_splits(int64_t capacity) {
 // read per call, like the other switches, so set it before sizing a workspace with
 // decode_attention_splits); =1 or unset, this rule; another value is an error.
 bool wide_split_blocks(int64_t pairs, int64_t capacity, int64_t sm_count) {
-  const char* env = std::getenv("DECODEX_ATTN_WIDE");
-  if (env != nullptr && *env != '\0') {
-    const std::string v(env);
-    DX_CHECK(v == "0" || v == "1", "DECODEX_ATTN_WIDE must be 0 or 1 (or unset), got \"", v, "\"");
-    if (v == "0") return false;
-  }
+  if (env_switch("DECODEX_ATTN_WIDE", "0", "1") == false) return false;
   const int64_t fill = sm_count / pairs;
   return fill >= kWideMinSplits && min_length_splits(capacity) >= fill;
 }
@@ -1043,14 +1049,13 @@ namespace {
 // (bench/RESULTS.md, session 10): clusters of 4 and 8 in a full wave (256 blocks) lost to the
 // combine, up to 75 us a step (1.5B at 16 and 32 rows); pairs and small grids gained 20-100 us.
 // DECODEX_ATTN_CLUSTER=1 merges in the cluster wherever it can, =0 never (tests and A/B runs;
-// read per call).
+// read per call; another value is an error).
 bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
   if (splits > kClusterSplits || device_attribute<cudaDevAttrComputeCapabilityMajor>(device) < 9) {
     return false;
   }
-  const char* env = std::getenv("DECODEX_ATTN_CLUSTER");
-  if (env != nullptr && *env != '\0') return env[0] != '0';
-  return splits <= 2 || blocks <= sm_count(device);
+  return env_switch("DECODEX_ATTN_CLUSTER", "0", "1")
+      .value_or(splits <= 2 || blocks <= sm_count(device));
 }
 
 // Warps a block of the register path's split kernel: 8 where the splits merge in their cluster and
@@ -1064,13 +1069,9 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 // 32 blocks) and lost 6% at batch 8 (128 blocks). DECODEX_ATTN_WARPS=4 or 8 forces it (tests and
 // A/B runs; read per call; another value is an error).
 int split_warps(bool in_cluster, bool wide, int64_t blocks, int device) {
-  const char* env = std::getenv("DECODEX_ATTN_WARPS");
-  if (env != nullptr && *env != '\0') {
-    const std::string v(env);
-    DX_CHECK(v == "4" || v == "8", "DECODEX_ATTN_WARPS must be 4 or 8 (or unset), got \"", v, "\"");
-    return v == "8" ? 2 * kWarps : kWarps;
-  }
-  return (in_cluster ? 4 * blocks <= sm_count(device) : wide) ? 2 * kWarps : kWarps;
+  const bool eight = env_switch("DECODEX_ATTN_WARPS", "4", "8")
+                         .value_or(in_cluster ? 4 * blocks <= sm_count(device) : wide);
+  return eight ? 2 * kWarps : kWarps;
 }
 
 // The register path's split kernel with `warps` warps (split_warps), with rope_append's prologue

@@ -402,6 +402,16 @@ def test_rejects_bad_wide_switch(monkeypatch, value):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("value", ["2", "off", "false"])
+def test_rejects_bad_cluster_switch(monkeypatch, value):
+    """DECODEX_ATTN_CLUSTER takes 0 or 1 (read where the splits could merge in a cluster: here 1
+    split); anything else is an error naming it, not a silent "on" ("false" was one)."""
+    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", value)
+    with pytest.raises(RuntimeError, match="DECODEX_ATTN_CLUSTER must be 0 or 1"):
+        _ops().decode_attention(*_valid_args())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("value", ["6", "16", "eight"])
 def test_rejects_bad_warps_switch(monkeypatch, value):
     """DECODEX_ATTN_WARPS takes 4 or 8; anything else is an error naming it, not a silent 4."""

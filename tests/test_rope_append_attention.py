@@ -170,7 +170,7 @@ def test_matches_reference(with_norms):
 def test_wide_blocks(monkeypatch, H, Hkv, prefetch, with_norms):
     """One row on a long cache takes wide split blocks (8 warps, one an SM: the split count is one
     block an SM per KV head), as the Qwen3 steps do at batch 1 (Qwen3-30B-A3B: 32 heads over 4 KV
-    heads, q/k norms); the appended row the last one, or inside a split."""
+    heads, q/k norms); the appended row the cache's last, or 264 rows before it."""
     monkeypatch.delenv("DECODEX_ATTN_WARPS")  # the op's own choice
     S = 33000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
