@@ -14,6 +14,7 @@ plain GEMV; all with prefetch_weight.
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)
     python -m bench.gemv --sweep [--only 7B] [--ms 1,8]   # tuning: every configuration per shape
+    python -m bench.gemv --sweep --plain --only "7B qkv"  # the same for plain calls (no prefetch_weight)
     python -m bench.gemv --models llama3.1-8b,qwen3-8b --ms 1   # another bench.decode preset's shapes
 """
 from __future__ import annotations
@@ -201,8 +202,9 @@ def _wide_configs(K: int):
                     yield f"{bn},{c},{s}"
 
 
-def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES) -> None:
-    """Per shape and M: the heuristic's time, then the best configurations found."""
+def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES, prefetch_weight: bool = True) -> None:
+    """Per shape and M: the heuristic's time, then the best configurations found; every call with
+    prefetch_weight as given (True: as the decode graph calls the GEMV; False: plain calls)."""
     import decodex  # noqa: F401
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
@@ -220,16 +222,16 @@ def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES) -> None:
             env, configs, fields = ((WIDE_ENV, _wide_configs(K), "bn,c,s") if M > 16 else
                                     (ENV, _configs(N, K, clusters), "wr,wk,c,u"))
             os.environ.pop(env, None)
-            default = _time_ours(weights, M, reps=10, prefetch_weight=True)
+            default = _time_ours(weights, M, reps=10, prefetch_weight=prefetch_weight)
             results = []
             for cfg in configs:
                 os.environ[env] = cfg
-                results.append((_time_ours(weights, M, reps=10, prefetch_weight=True), cfg))
+                results.append((_time_ours(weights, M, reps=10, prefetch_weight=prefetch_weight), cfg))
             os.environ.pop(env, None)
             results.sort()
             floor = 2 * N * K / bw / 1e3
             best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
-            print(f"{label} M={M}: floor {floor:.2f} us, heuristic {default:.2f} us, "
+            print(f"{label} M={M}{'' if prefetch_weight else ' plain'}: floor {floor:.2f} us, heuristic {default:.2f} us, "
                   f"best ({fields} us): {best}", flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -238,6 +240,8 @@ def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
+    p.add_argument("--plain", action="store_true", help="with --sweep: time plain calls (prefetch_weight=False) "
+                                                        "instead of the decode graph's prefetch_weight calls")
     p.add_argument("--only", help="only shapes whose label contains one of these (comma-separated), "
                                   "e.g. '7B' or '1.5B down,7B gate'")
     p.add_argument("--models", help="the shapes of these bench.decode presets (comma-separated keys, e.g. "
@@ -252,8 +256,10 @@ def main(argv=None) -> None:
         shapes = SHAPES if args.models is None else model_shapes(args.models.split(","))
     except ValueError as e:
         p.error(str(e))
+    if args.plain and not args.sweep:
+        p.error("--plain goes with --sweep (the table times both kinds of call)")
     if args.sweep:
-        sweep(args.only, ms or (1, 8), shapes)
+        sweep(args.only, ms or (1, 8), shapes, prefetch_weight=not args.plain)
         return
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)

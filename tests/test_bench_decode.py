@@ -230,3 +230,18 @@ def test_gemv_model_shapes():
     assert ("Llama-3.1-8B", "gate|up", 28672, 4096) in gemv.model_shapes(["llama3.1-8b"])
     with pytest.raises(ValueError, match="--models"):
         gemv.model_shapes(["8b"])
+
+
+def test_gemv_sweep_plain_calls(monkeypatch):
+    """bench.gemv --sweep --plain sweeps plain calls (prefetch_weight=False); --plain alone is an
+    error naming it, since the table times both kinds of call."""
+    from bench import gemv
+
+    seen = []
+    monkeypatch.setattr(gemv, "sweep", lambda only, ms, shapes, prefetch_weight=True: seen.append(
+        (only, tuple(ms), prefetch_weight)))
+    gemv.main(["--sweep", "--plain", "--only", "7B qkv", "--ms", "1"])
+    gemv.main(["--sweep", "--only", "7B qkv"])
+    assert seen == [("7B qkv", (1,), False), ("7B qkv", (1, 8), True)]
+    with pytest.raises(SystemExit):
+        gemv.main(["--plain"])
