@@ -231,7 +231,8 @@ def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES, prefetch_weight: bo
             results.sort()
             floor = 2 * N * K / bw / 1e3
             best = ", ".join(f"{c} {t:.2f}" for t, c in results[:4])
-            print(f"{label} M={M}{'' if prefetch_weight else ' plain'}: floor {floor:.2f} us, heuristic {default:.2f} us, "
+            call = "" if prefetch_weight else " plain"
+            print(f"{label} M={M}{call}: floor {floor:.2f} us, heuristic {default:.2f} us, "
                   f"best ({fields} us): {best}", flush=True)
         del weights
         torch.cuda.empty_cache()

@@ -232,7 +232,7 @@ def test_gemv_model_shapes():
         gemv.model_shapes(["8b"])
 
 
-def test_gemv_sweep_plain_calls(monkeypatch):
+def test_gemv_sweep_plain_calls(monkeypatch, capsys):
     """bench.gemv --sweep --plain sweeps plain calls (prefetch_weight=False); --plain alone is an
     error naming it, since the table times both kinds of call."""
     from bench import gemv
@@ -245,3 +245,5 @@ def test_gemv_sweep_plain_calls(monkeypatch):
     assert seen == [("7B qkv", (1,), False), ("7B qkv", (1, 8), True)]
     with pytest.raises(SystemExit):
         gemv.main(["--plain"])
+    assert "--plain goes with --sweep" in capsys.readouterr().err
+    assert len(seen) == 2
