@@ -246,11 +246,21 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_trigger();
 }
 
+// An environment switch of two values: nullopt where `name` is unset or empty, else whether it is
+// `on` rather than `off`; any other value is an error naming the switch (so "false" is never a
+// silent "on").
+inline std::optional<bool> env_switch(const char* name, const char* off, const char* on) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  const std::string v(env);
+  DX_CHECK(v == off || v == on, name, " must be ", off, " or ", on, " (or unset), got \"", v, "\"");
+  return v == on;
+}
+
+// DECODEX_PDL=0 launches every kernel without PDL (=1 or unset: with it). Read at the first launch
+// and kept for the process; a bad value fails every launch, naming the switch.
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DECODEX_PDL");
-    return !(v && v[0] == '0');
-  }();
+  static const bool enabled = env_switch("DECODEX_PDL", "0", "1").value_or(true);
   return enabled;
 }
 

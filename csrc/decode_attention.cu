@@ -975,16 +975,6 @@ int combine_batch(int64_t splits) {
   return (splits + w - 1) / w <= 8 ? 8 : 32;
 }
 
-// An A/B switch of two values (tests and A/B runs; read per call): nullopt where `name` is unset or
-// empty, else whether it is `on` rather than `off`; any other value is an error naming the switch.
-std::optional<bool> env_switch(const char* name, const char* off, const char* on) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return std::nullopt;
-  const std::string v(env);
-  DX_CHECK(v == off || v == on, name, " must be ", off, " or ", on, " (or unset), got \"", v, "\"");
-  return v == on;
-}
-
 // Splits of kMinSplitTokens that a cache of this capacity holds (the last one partial).
 constexpr int64_t min_length_splits(int64_t capacity) {
   return (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
