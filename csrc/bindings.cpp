@@ -41,10 +41,13 @@ TORCH_LIBRARY(decodex, m) {
   m.def("gemv_silu_mul_max_rows(int device) -> int", &decodex::gemv_silu_mul_max_rows);
   // The configuration [wr, wk, c, u] gemv, gemv_silu_mul and gemv_rope_append launch for a weight
   // [N, K] (N its rows: 2I for gate|up) and M = 1..8 rows of x when neither `config` nor
-  // DECODEX_GEMV_CONFIG gives one: the measured tables' entry for the shape (kTunedRows at 2-4 rows,
-  // kTuned), else the rule for other shapes (csrc/gemv.cu); clusters: whether the device has them
-  // (sm_90 and later). A pure function, so CPU tests and callers without a GPU can ask.
-  m.def("gemv_config(int N, int K, int M, bool clusters=True) -> int[]", &decodex::gemv_config);
+  // DECODEX_GEMV_CONFIG gives one: the measured tables' entry for the shape (kTunedPlain for plain
+  // calls, kTunedRows at 2-4 rows, kTuned), else the rule for other shapes (csrc/gemv.cu); clusters:
+  // whether the device has them (sm_90 and later); prefetch_weight: the call's (plain calls, the
+  // ops' default, have their own table). A pure function, so CPU tests and callers without a GPU
+  // can ask.
+  m.def("gemv_config(int N, int K, int M, bool clusters=True, bool prefetch_weight=False) -> int[]",
+        &decodex::gemv_config);
   // out[M,K] = x / rms(x) * weight.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // residual[M,K] += x; out = residual / rms(residual) * weight.

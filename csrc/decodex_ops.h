@@ -52,10 +52,13 @@ inline int64_t gemv_silu_mul_max_rows(int64_t device) {
 }
 
 // The configuration [wr, wk, c, u] gemv launches for a weight [N, K] and M = 1..8 rows of x when
-// none is given (no GPU needed; see the schema in csrc/bindings.cpp).
-inline std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters = true) {
-  static auto h = detail::op<std::vector<int64_t>(int64_t, int64_t, int64_t, bool)>("decodex::gemv_config");
-  return h.call(N, K, M, clusters);
+// none is given, for a call with this prefetch_weight (no GPU needed; see the schema in
+// csrc/bindings.cpp).
+inline std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters = true,
+                                        bool prefetch_weight = false) {
+  static auto h = detail::op<std::vector<int64_t>(int64_t, int64_t, int64_t, bool, bool)>(
+      "decodex::gemv_config");
+  return h.call(N, K, M, clusters, prefetch_weight);
 }
 
 inline void rms_norm(const T& x, const T& weight, double eps, T& out) {

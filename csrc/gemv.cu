@@ -4,10 +4,10 @@
 // (csrc/rope_append.cu) through gemv.h.
 //
 // The kernel and its idea: csrc/gemv_kernel.cuh.
-// The host picks (wr, wk, c, U) per (N, K, M) once per shape (cached): from tables of measured
-// shapes (kTuned; kTunedRows for some at 2-4 rows), else by a rule fitted to in-step sweeps up to 8
-// rows of x (rule_config), else (9-64 rows) with a small cost model of waves, bytes in flight and
-// load latency.
+// The host picks (wr, wk, c, U) per (N, K, M, kind of call) once per shape (cached): from tables of
+// measured shapes (kTuned; kTunedRows for some at 2-4 rows; kTunedPlain for plain calls), else by
+// a rule fitted to in-step sweeps up to 8 rows of x (rule_config), else (9-64 rows) with a small
+// cost model of waves, bytes in flight and load latency.
 // DECODEX_GEMV_CONFIG overrides the choice, for all shapes or per shape (a tuning knob for
 // bench/gemv.py --sweep and bench/decode.py --sweep-gemv, not for the model).
 #include <algorithm>
@@ -228,6 +228,41 @@ constexpr TunedRows kTunedRows[] = {
     {4096, 14336, 2, {1, 4, 8, 8}},   // Llama-3.1-8B down
 };
 
+// Plain calls (prefetch_weight=False: no weight loaded before the PDL wait, so nothing overlaps the
+// kernel ahead) of the Qwen2.5-1.5B and -7B shapes, rows m_from to m_to of x: the fastest alone
+// (L2-cold, `python -m bench.gemv --sweep --plain --ms 1,2,4,8`; H100, session 49). The tables
+// above, tuned on prefetch calls, left plain calls up to 27% slower (the 1.5B q at M = 8: 4.35
+// against 3.18 us), and the 7B qkv at M = 1 slower than cuBLAS (15.2 us here; cuBLAS 13.7 on an
+// H100 in session 48; 13.3-13.5 with (2,2,4,4)). Plain calls want more, shorter k-ranges (a cluster
+// split-K of 2 to 8) than prefetch calls, which start their first loads early. An entry is the
+// sweep's best at each M it serves or within 1.5% of it (M = 4 of the 7B LM head not timed); the
+// 1.5B LM head at M = 1 keeps its prefetch choice (the best plain one was 0.3% faster). Other
+// shapes: the prefetch calls' choice.
+struct TunedPlain {
+  int64_t N, K;
+  int m_from, m_to;
+  GemvConfig cf;
+};
+constexpr TunedPlain kTunedPlain[] = {
+    {1536, 1536, 1, 8, {1, 6, 2, 4}},       // Qwen2.5-1.5B q, o: 4.06 -> 3.57 us at M = 1
+    {256, 1536, 1, 8, {1, 3, 4, 4}},        // k, v: 2.48 -> 2.34
+    {2048, 1536, 1, 1, {1, 4, 4, 4}},       // qkv: 5.11 -> 4.51
+    {2048, 1536, 2, 8, {1, 3, 2, 8}},       //   4.38 -> 3.63 at M = 2
+    {17920, 1536, 1, 8, {1, 3, 2, 4}},      // gate|up: 22.02 -> 19.61
+    {1536, 8960, 1, 8, {1, 7, 2, 4}},       // down: 12.69 -> 11.44
+    {151936, 1536, 2, 8, {1, 6, 2, 4}},     // lm_head: 155.83 -> 150.36 at M = 8
+    {3584, 3584, 1, 8, {1, 1, 4, 4}},       // Qwen2.5-7B q, o: 11.26 -> 10.36
+    {512, 3584, 1, 1, {1, 4, 8, 4}},        // k, v: 3.39 -> 3.24
+    {512, 3584, 2, 8, {1, 7, 2, 8}},        //   2.94 -> 2.92 at M = 2
+    {4608, 3584, 1, 1, {2, 2, 4, 4}},       // qkv: 15.18 -> 13.30
+    {4608, 3584, 2, 8, {1, 7, 2, 4}},       //   16.06 -> 12.82 at M = 2
+    {37888, 3584, 1, 1, {1, 2, 8, 8}},      // gate|up: 92.18 -> 87.60
+    {37888, 3584, 2, 8, {1, 7, 2, 4}},      //   88.47 -> 87.36 at M = 2
+    {3584, 18944, 1, 8, {1, 1, 4, 8}},      // down: 49.14 -> 47.43
+    {152064, 3584, 1, 1, {1, 2, 8, 8}},     // lm_head: 363.91 -> 341.96
+    {152064, 3584, 2, 8, {1, 5, 4, 8}},     //   364.26 -> 345.31 at M = 8
+};
+
 // The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about
 // kRuleSteps k-steps (two trips of U = 4), the warps' k-ranges split over up to kRuleWarps warps a
 // block and the rest over a cluster of up to kMaxCluster blocks; one warp row a block. Fitted to
@@ -252,9 +287,16 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
   return {1, wk, c, ceil_div(ksteps, int64_t{wk} * c) > kRuleSteps ? 8 : 4};
 }
 
-// kTunedRows' or else kTuned's entry for a weight [N, K] at M rows of x, else up to kMaxRows rows
-// rule_config: the choices that need no device (gemv_config reports them).
-std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters) {
+// For a plain call kTunedPlain's entry, else kTunedRows' or else kTuned's entry for a weight [N, K]
+// at M rows of x, else up to kMaxRows rows rule_config: the choices that need no device
+// (gemv_config reports them).
+std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters, bool prefetch_weight) {
+  for (const TunedPlain& t : kTunedPlain) {
+    if (!prefetch_weight && t.N == N && t.K == K && M >= t.m_from && M <= t.m_to &&
+        (clusters || t.cf.c == 1)) {
+      return t.cf;
+    }
+  }
   for (const TunedRows& t : kTunedRows) {
     if (t.N == N && t.K == K && M >= t.m_from && M <= kTunedRowsTo && (clusters || t.cf.c == 1)) {
       return t.cf;
@@ -268,8 +310,8 @@ std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool cluster
   return std::nullopt;
 }
 
-GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters) {
-  if (const std::optional<GemvConfig> cf = known_config(N, K, M, clusters)) return *cf;
+GemvConfig choose_config(int64_t N, int64_t K, int M, int sms, bool clusters, bool prefetch_weight) {
+  if (const std::optional<GemvConfig> cf = known_config(N, K, M, clusters, prefetch_weight)) return *cf;
   // Above kMaxRows (the wide variants, no in-step data): the cost model.
   GemvConfig best{1, 1, 1, 4};
   double best_us = std::numeric_limits<double>::infinity();
@@ -310,6 +352,21 @@ constexpr bool shapes_unique(const Entry (&table)[n]) {
   }
   return true;
 }
+
+// Whether kTunedPlain's entries are configurations the kernel has, their row ranges within
+// 1..kMaxRows, and no two ranges of a shape overlap (known_config takes the first match).
+constexpr bool plain_table_ok() {
+  for (const TunedPlain& t : kTunedPlain) {
+    if (!config_valid(t.cf, true) || t.m_from < 1 || t.m_from > t.m_to || t.m_to > kMaxRows) return false;
+  }
+  for (const TunedPlain& a : kTunedPlain) {
+    for (const TunedPlain& b : kTunedPlain) {
+      if (&a != &b && a.N == b.N && a.K == b.K && a.m_from <= b.m_to && b.m_from <= a.m_to) return false;
+    }
+  }
+  return true;
+}
+static_assert(plain_table_ok(), "kTunedPlain: an entry the kernel does not have, or overlapping rows");
 
 // kTuned and kTunedRows checked at compile time: every entry kModel (kTuned only) or a
 // configuration the kernel has, kTunedRows' row ranges within 2..kTunedRowsTo, no shape listed twice.
@@ -522,11 +579,12 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
     cf = *given;
   } else {
     // One choice per shape; a thread_local map needs no lock.
-    thread_local std::map<std::array<int64_t, 4>, GemvConfig> chosen;
-    const std::array<int64_t, 4> key{rows, K, M, device};
+    thread_local std::map<std::array<int64_t, 5>, GemvConfig> chosen;
+    const std::array<int64_t, 5> key{rows, K, M, device, options.prefetch_weight};
     auto it = chosen.find(key);
     if (it == chosen.end()) {
-      it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters)).first;
+      it = chosen.emplace(key, choose_config(rows, K, static_cast<int>(M), sms, clusters,
+                                             options.prefetch_weight)).first;
     }
     cf = it->second;
   }
@@ -600,12 +658,12 @@ void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
   launch_gemv("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);
 }
 
-std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters) {
+std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters, bool prefetch_weight) {
   DX_CHECK(N >= 1, "gemv_config: N (the weight's rows) must be >= 1, got ", N);
   DX_CHECK(K >= 8 && K % 8 == 0, "gemv_config: K must be a positive multiple of 8, got ", K);
   DX_CHECK(M >= 1 && M <= kMaxRows, "gemv_config: M (rows of x) must be 1 to ", kMaxRows,
            " (above, the choice asks the device), got ", M);
-  const GemvConfig cf = *known_config(N, K, static_cast<int>(M), clusters);
+  const GemvConfig cf = *known_config(N, K, static_cast<int>(M), clusters, prefetch_weight);
   return {cf.wr, cf.wk, cf.c, cf.u};
 }
 

@@ -14,7 +14,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config);
 int64_t gemv_silu_mul_max_rows(int64_t device);
-std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters);
+std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters, bool prefetch_weight);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps, at::Tensor& out);

@@ -346,6 +346,27 @@ def test_gemv_config_argument_is_launched(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gemv_plain_and_prefetch_calls_launch_their_configs():
+    """On a 1536 x 1536 weight (its plain entry, 12 k-ranges, against the prefetch one's 6), on
+    order_sensitive_inputs: a plain call gives the bits of gemv_config's plain choice, a prefetch call
+    those of its own, and the two differ (so the kind of call chose)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the plain entries use clusters (sm_90 and later)")
+    x, w = order_sensitive_inputs(1536, 1536)
+
+    def run(prefetch_weight, cfg=None):
+        out = _poisoned(1, 1536)
+        torch.ops.decodex.gemv(x, w, None, out, prefetch_weight=prefetch_weight, config=cfg)
+        torch.cuda.synchronize()
+        return out
+
+    plain, prefetch = run(False), run(True)
+    assert not torch.equal(plain, prefetch)
+    for p, got in ((False, plain), (True, prefetch)):
+        assert torch.equal(got, run(p, torch.ops.decodex.gemv_config(1536, 1536, 1, prefetch_weight=p)))
+
+
+@pytest.mark.gpu
 def test_gemv_bad_config_argument():
     ops = torch.ops.decodex
     x, w, b = _inputs(2, 64, 64)
@@ -682,8 +703,13 @@ def test_gemv_config_table_then_rule():
     """gemv_config (no GPU): a tabled shape gets its entry for M's range; another shape the rule
     (bench.gemv_rule's tests hold it to the rule for every K), whatever N and M; without clusters,
     a tabled entry with a cluster gives way to the rule's c = 1."""
-    f = torch.ops.decodex.gemv_config
-    assert str(f.default._schema) == "decodex::gemv_config(int N, int K, int M, bool clusters=True) -> int[]"
+    op = torch.ops.decodex.gemv_config
+    assert str(op.default._schema) == ("decodex::gemv_config(int N, int K, int M, bool clusters=True, "
+                                       "bool prefetch_weight=False) -> int[]")
+
+    def f(*args, **kwargs):  # prefetch calls, as the decode step makes them (plain ones: the next test)
+        return op(*args, prefetch_weight=True, **kwargs)
+
     assert f(1536, 1536, 1) == f(1536, 1536, 4) == [1, 6, 1, 8]  # Qwen2.5-1.5B q, o: M <= 4
     assert f(1536, 1536, 5) == f(1536, 1536, 8) == [1, 7, 1, 4]  # and M = 5..8
     assert f(2048, 6144, 1) == [1, 3, 4, 8]  # Qwen3-1.7B down, a cluster of 4
@@ -699,6 +725,23 @@ def test_gemv_config_table_then_rule():
     assert f(2048, 1536, 5) == [1, 6, 1, 8]
     # ... and Llama-3.1-8B's down at M = 2..4 (a cluster of 8)
     assert f(4096, 14336, 2) == f(4096, 14336, 4) == [1, 4, 8, 8] and f(4096, 14336, 1) == [1, 7, 1, 8]
+
+
+@pytest.mark.ext
+def test_gemv_config_plain_calls():
+    """gemv_config for plain calls (prefetch_weight=False, the default): kTunedPlain's entry for the
+    rows it serves; the prefetch choice on the shapes and rows it leaves out, and without clusters
+    (every entry has one)."""
+    f = torch.ops.decodex.gemv_config
+    for M in (1, 4, 8):
+        assert f(1536, 1536, M) == f(1536, 1536, M, prefetch_weight=False) == [1, 6, 2, 4]
+    assert f(1536, 1536, 1, prefetch_weight=True) == [1, 6, 1, 8]
+    assert f(4608, 3584, 1) == [2, 2, 4, 4] and f(4608, 3584, 2) == f(4608, 3584, 8) == [1, 7, 2, 4]
+    assert f(152064, 3584, 1) == [1, 2, 8, 8] and f(152064, 3584, 5) == [1, 5, 4, 8]
+    assert f(151936, 1536, 1) == f(151936, 1536, 1, prefetch_weight=True) == [1, 7, 1, 8]  # M = 1 left out
+    assert f(151936, 1536, 2) == [1, 6, 2, 4]
+    assert f(1536, 1536, 1, clusters=False) == f(1536, 1536, 1, clusters=False, prefetch_weight=True)
+    assert f(4096, 14336, 2) == f(4096, 14336, 2, prefetch_weight=True) == [1, 4, 8, 8]  # not in the table
 
 
 @pytest.mark.ext
