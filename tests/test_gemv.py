@@ -7,6 +7,7 @@ tensors are refused by the dispatcher.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -345,25 +346,36 @@ def test_gemv_config_argument_is_launched(monkeypatch):
     check_config_is_launched(run, monkeypatch)
 
 
+def _launched_grid(call, tmp_path) -> tuple[list[int], list[int]]:
+    """The (grid, block) of the one kernel `call` launches, from the profiler's trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # the configuration chosen and cached outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    assert len(kernels) == 1, [e.get("name") for e in kernels]
+    return kernels[0]["args"]["grid"], kernels[0]["args"]["block"]
+
+
 @pytest.mark.gpu
-def test_gemv_plain_and_prefetch_calls_launch_their_configs():
-    """On a 1536 x 1536 weight (its plain entry, 12 k-ranges, against the prefetch one's 6), on
-    order_sensitive_inputs: a plain call gives the bits of gemv_config's plain choice, a prefetch call
-    those of its own, and the two differ (so the kind of call chose)."""
+def test_gemv_plain_and_prefetch_calls_launch_their_configs(tmp_path):
+    """On a 1536 x 1536 weight at M = 1 a plain call launches its kTunedPlain entry (1,6,2,4): 96
+    tiles in clusters of 2, 192 blocks of 6 warps; a prefetch call kTuned's (1,6,1,8), 96 blocks of
+    6 warps (the grid and block read from the profiler's trace)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the plain entries use clusters (sm_90 and later)")
-    x, w = order_sensitive_inputs(1536, 1536)
-
-    def run(prefetch_weight, cfg=None):
-        out = _poisoned(1, 1536)
-        torch.ops.decodex.gemv(x, w, None, out, prefetch_weight=prefetch_weight, config=cfg)
-        torch.cuda.synchronize()
-        return out
-
-    plain, prefetch = run(False), run(True)
-    assert not torch.equal(plain, prefetch)
-    for p, got in ((False, plain), (True, prefetch)):
-        assert torch.equal(got, run(p, torch.ops.decodex.gemv_config(1536, 1536, 1, prefetch_weight=p)))
+    f = torch.ops.decodex.gemv_config
+    assert f(1536, 1536, 1) == [1, 6, 2, 4] and f(1536, 1536, 1, prefetch_weight=True) == [1, 6, 1, 8]
+    x, w = _inputs(1, 1536, 1536)[:2]
+    out = _poisoned(1, 1536)
+    for prefetch_weight, blocks in ((False, 192), (True, 96)):
+        call = lambda: torch.ops.decodex.gemv(x, w, None, out, prefetch_weight=prefetch_weight)  # noqa: E731
+        assert _launched_grid(call, tmp_path) == ([blocks, 1, 1], [192, 1, 1]), prefetch_weight
 
 
 @pytest.mark.gpu
@@ -518,10 +530,12 @@ def test_gemv_rms_and_accumulate_chain_in_graph(M):
     w2 = [(torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16) for _ in range(3)]
     r, h = r0.clone(), _poisoned(M, N)
 
-    def chain(prefetch):
+    def chain(prefetch):  # plain calls launch the prefetch calls' configurations (kTunedPlain aside)
         for a, c in zip(w1, w2):
-            torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, rms_eps=RMS_EPS)
-            torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True)
+            torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, rms_eps=RMS_EPS,
+                                   config=torch.ops.decodex.gemv_config(N, K, M, prefetch_weight=True))
+            torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True,
+                                   config=torch.ops.decodex.gemv_config(K, N, M, prefetch_weight=True))
 
     chain(False)
     want = r.clone()

@@ -40,11 +40,12 @@ def _fused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None, config=None):
     return out
 
 
-def _unfused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None):
-    """gemv, then rope_append on the q|k|v rows of its output (Hkv and D from the cache)."""
+def _unfused(x, w, b, inv_freq, positions, kc, vc, rms_eps=None, config=None):
+    """gemv (a plain call, with `config` if given), then rope_append on the q|k|v rows of its output
+    (Hkv and D from the cache)."""
     M, Hkv, D = x.shape[0], kc.shape[1], kc.shape[3]
     out = torch.full((M, w.shape[0]), float("nan"), device=x.device, dtype=torch.bfloat16)
-    torch.ops.decodex.gemv(x, w, b, out, rms_eps=rms_eps)
+    torch.ops.decodex.gemv(x, w, b, out, rms_eps=rms_eps, config=config)
     q, k, v = out.view(M, -1, D).split([w.shape[0] // D - 2 * Hkv, Hkv, Hkv], dim=1)
     torch.ops.decodex.rope_append(q, k, v, inv_freq, positions, kc, vc)
     return out
@@ -152,7 +153,7 @@ def test_gemv_rope_append_cuda_graph():
     for step in range(3):
         pos += 1
         graph.replay()
-        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
+        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, config=prefetch_config)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"replay {step}: out differs"
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"replay {step}: caches differ"
@@ -173,6 +174,7 @@ def test_gemv_rope_append_prefetch_weight_after_writers(ahead):
     norm_w = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     out = torch.empty(M, w.shape[0], device="cuda", dtype=torch.bfloat16)
     ops = torch.ops.decodex
+    prefetch_config = ops.gemv_config(w.shape[0], K, M, prefetch_weight=True)  # plain calls have their own
 
     def writers():
         if ahead == "positions":
@@ -188,7 +190,7 @@ def test_gemv_rope_append_prefetch_weight_after_writers(ahead):
         src.copy_(torch.randn(M, K, device="cuda").to(torch.bfloat16))
         kc2, vc2 = kc.clone(), vc.clone()
         graph.replay()
-        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2)
+        want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, config=prefetch_config)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"replay {step}: out differs"
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"replay {step}: caches differ"
