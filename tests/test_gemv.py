@@ -357,7 +357,7 @@ def _launched_grid(call, tmp_path) -> tuple[list[int], list[int]]:
         torch.cuda.synchronize()
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat", "").lower() == "kernel"]
     assert len(kernels) == 1, [e.get("name") for e in kernels]
     return kernels[0]["args"]["grid"], kernels[0]["args"]["block"]
 
