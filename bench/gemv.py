@@ -5,7 +5,8 @@ MAX_STACK_BYTES), every call captured in one CUDA graph; both sides time the sam
 run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the same run.
 "decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call loads its
 first weights while the call before it runs), as the decode graph does; GB/s, % of bw and the
-speedup over cuBLAS are of the prefetch_weight calls. "cuBLASLt us" is F.linear with torch's
+speedup over cuBLAS are of the prefetch_weight calls, "plain speedup" of the plain call (what a
+caller who cannot promise that the kernel ahead leaves the weight alone gets). "cuBLASLt us" is F.linear with torch's
 preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two
 smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
 an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out += product) against the
@@ -71,7 +72,7 @@ def model_shapes(keys) -> list[tuple[str, str, int, int]]:
 MAX_STACK_BYTES = 3 << 30  # the two lm_heads would otherwise stack 4 GB copies
 TITLE = "gemv: decodex vs cuBLAS (F.linear), L2-cold, CUDA graph, median"
 HEADERS = ["shape", "weight MB", "decodex us", "prefetch_weight us", "cuBLAS us", "cuBLASLt us", "GB/s",
-           "% of bw", "speedup"]
+           "% of bw", "speedup", "plain speedup"]
 ENV = "DECODEX_GEMV_CONFIG"
 WIDE_ENV = "DECODEX_GEMV_WIDE_CONFIG"  # the wgmma kernel's (M > 16)
 
@@ -174,7 +175,7 @@ def rows(bandwidth_gbs: float | None = None, ms=MS, only: str | None = None, sha
             nbytes = 2 * (N * K + M * K + M * N)
             gbs = nbytes / early / 1e3
             out.append([f"{model} {name} {N}x{K} M={M}", 2 * N * K / 1e6, ours, early, cublas, cublaslt,
-                        gbs, 100 * gbs / bw, cublas / early])
+                        gbs, 100 * gbs / bw, cublas / early, cublas / ours])
         del weights
         torch.cuda.empty_cache()
     return out

@@ -232,6 +232,20 @@ def test_gemv_model_shapes():
         gemv.model_shapes(["8b"])
 
 
+def test_gemv_table_speedups(monkeypatch):
+    """bench.gemv's table: "speedup" is cuBLAS over the prefetch_weight call, "plain speedup" over
+    the plain call (timings stubbed: plain 2 us, prefetch 1, cuBLAS and cuBLASLt 3)."""
+    from bench import gemv
+
+    monkeypatch.setattr(gemv, "_stack", lambda N, K: [None])
+    monkeypatch.setattr(gemv, "_time_ours", lambda w, M, prefetch_weight=False: 1.0 if prefetch_weight else 2.0)
+    monkeypatch.setattr(gemv, "_time_cublas", lambda w, M, plan="cublas": 3.0)
+    (row,) = gemv.rows(1000.0, ms=[1], only="7B qkv")
+    got = dict(zip(gemv.HEADERS, row))
+    assert got["decodex us"] == 2.0 and got["prefetch_weight us"] == 1.0
+    assert got["speedup"] == 3.0 and got["plain speedup"] == 1.5
+
+
 def test_gemv_sweep_plain_calls(monkeypatch, capsys):
     """bench.gemv --sweep --plain sweeps plain calls (prefetch_weight=False); --plain alone is an
     error naming it, since the table times both kinds of call."""
