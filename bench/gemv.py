@@ -6,8 +6,9 @@ run. Bytes moved = weight + x + out; % is of the read bandwidth measured in the 
 "decodex us" is a plain call; "prefetch_weight us" passes prefetch_weight=True (each call loads its
 first weights while the call before it runs), as the decode graph does; GB/s, % of bw and the
 speedup over cuBLAS are of the prefetch_weight calls, "plain speedup" of the plain call (what a
-caller who cannot promise that the kernel ahead leaves the weight alone gets). "cuBLASLt us" is F.linear with torch's
-preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's "cublaslt" plan). Two
+caller who cannot promise that the kernel ahead leaves the weight alone gets). "cuBLASLt us" is
+F.linear with torch's preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's
+"cublaslt" plan). Two
 smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
 an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out += product) against the
 plain GEMV; all with prefetch_weight.

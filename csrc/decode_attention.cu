@@ -65,9 +65,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <optional>
-#include <string>
 #include <type_traits>
 
 #include "common.h"

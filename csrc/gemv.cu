@@ -292,10 +292,8 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
 // (gemv_config reports them).
 std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters, bool prefetch_weight) {
   for (const TunedPlain& t : kTunedPlain) {
-    if (!prefetch_weight && t.N == N && t.K == K && M >= t.m_from && M <= t.m_to &&
-        (clusters || t.cf.c == 1)) {
-      return t.cf;
-    }
+    if (prefetch_weight) break;
+    if (t.N == N && t.K == K && M >= t.m_from && M <= t.m_to && (clusters || t.cf.c == 1)) return t.cf;
   }
   for (const TunedRows& t : kTunedRows) {
     if (t.N == N && t.K == K && M >= t.m_from && M <= kTunedRowsTo && (clusters || t.cf.c == 1)) {
