@@ -352,7 +352,8 @@ def _launched_grid(call, tmp_path) -> tuple[list[int], list[int]]:
 
     call()  # the configuration chosen and cached outside the profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # acc_events: keep the events past the profile's one cycle (and no warning that it clears them)
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         call()
         torch.cuda.synchronize()
     path = tmp_path / "trace.json"
