@@ -8,10 +8,9 @@ first weights while the call before it runs), as the decode graph does; GB/s, % 
 speedup over cuBLAS are of the prefetch_weight calls, "plain speedup" of the plain call (what a
 caller who cannot promise that the kernel ahead leaves the weight alone gets). "cuBLASLt us" is
 F.linear with torch's preferred BLAS library set to cuBLASLt (engine.blas_library: the engine's
-"cublaslt" plan). Two
-smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight folded into W) against
-an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out += product) against the
-plain GEMV; all with prefetch_weight.
+"cublaslt" plan). Two smaller tables follow: the RMS norm inside the GEMV (rms_eps, the norm weight
+folded into W) against an rms_norm kernel then the GEMV, beside the plain GEMV; and accumulate (out
++= product) against the plain GEMV; all with prefetch_weight.
 
     python -m bench.gemv                       # the table
     python -m bench.gemv --ms 16,32,64         # the table at other M (up to 64: the wide GEMV)

@@ -291,9 +291,10 @@ constexpr GemvConfig rule_config(int64_t K, bool clusters) {
 // at M rows of x, else up to kMaxRows rows rule_config: the choices that need no device
 // (gemv_config reports them).
 std::optional<GemvConfig> known_config(int64_t N, int64_t K, int M, bool clusters, bool prefetch_weight) {
-  for (const TunedPlain& t : kTunedPlain) {
-    if (prefetch_weight) break;
-    if (t.N == N && t.K == K && M >= t.m_from && M <= t.m_to && (clusters || t.cf.c == 1)) return t.cf;
+  if (!prefetch_weight) {
+    for (const TunedPlain& t : kTunedPlain) {
+      if (t.N == N && t.K == K && M >= t.m_from && M <= t.m_to && (clusters || t.cf.c == 1)) return t.cf;
+    }
   }
   for (const TunedRows& t : kTunedRows) {
     if (t.N == N && t.K == K && M >= t.m_from && M <= kTunedRowsTo && (clusters || t.cf.c == 1)) {
