@@ -261,6 +261,23 @@ constexpr TunedPlain kTunedPlain[] = {
     {3584, 18944, 1, 8, {1, 1, 4, 8}},      // down: 49.14 -> 47.43
     {152064, 3584, 1, 1, {1, 2, 8, 8}},     // lm_head: 363.91 -> 341.96
     {152064, 3584, 2, 8, {1, 5, 4, 8}},     //   364.26 -> 345.31 at M = 8
+    // Other presets' shapes whose plain calls trailed cuBLAS or matched it within 2% (H100, session
+    // 51: `python -m bench.gemv --models ... --sweep --plain --ms 1,8`; M = 2..8 entries were swept
+    // at M = 8), us at the tables' choice -> the entry's.
+    {9728, 896, 1, 1, {2, 1, 1, 4}},        // Qwen2.5-0.5B gate|up: 10.29 -> 8.73 (cuBLAS 8.43)
+    {9728, 896, 2, 8, {2, 2, 2, 4}},        //   9.08 -> 8.49 at M = 8
+    {151936, 896, 1, 8, {1, 7, 1, 4}},      // Qwen2.5-0.5B lm_head: 96.11 -> 86.77
+    {2048, 2048, 1, 1, {1, 4, 1, 4}},       // 3B, Qwen3-1.7B, Llama-3.2-1B q, o: 6.26 -> 5.28
+    {2048, 2048, 2, 8, {1, 4, 4, 4}},       //   5.69 -> 4.58 at M = 8
+    {2560, 2048, 1, 1, {1, 1, 4, 4}},       // Qwen2.5-3B qkv: 6.58 -> 5.75
+    {2560, 2048, 2, 8, {2, 3, 4, 4}},       //   7.08 -> 5.58 at M = 8
+    {4096, 2048, 1, 8, {2, 4, 2, 4}},       // Qwen3-1.7B qkv, Qwen3-30B-A3B q: 8.93 -> 7.47
+    {12288, 2048, 2, 8, {2, 2, 4, 4}},      // Qwen3-1.7B gate|up: 20.29 -> 17.15 at M = 8
+    {6144, 2560, 1, 8, {1, 5, 1, 8}},       // Qwen3-4B qkv: 13.97 -> 12.58 (M = 8: the same)
+    {19456, 2560, 1, 1, {1, 5, 2, 4}},      // Qwen3-4B gate|up: 33.96 -> 33.15
+    {19456, 2560, 2, 8, {2, 2, 2, 4}},      //   37.89 -> 33.38 at M = 8
+    {3072, 2048, 1, 8, {1, 1, 4, 4}},       // Llama-3.2-1B qkv: 7.94 -> 6.08
+    {5120, 3072, 1, 8, {1, 4, 2, 4}},       // Llama-3.2-3B qkv: 12.86 -> 11.90
 };
 
 // The configuration of a shape the table leaves open, up to kMaxRows rows of x: each warp about
