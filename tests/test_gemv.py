@@ -757,6 +757,9 @@ def test_gemv_config_plain_calls():
     assert f(151936, 1536, 2) == [1, 6, 2, 4]
     assert f(1536, 1536, 1, clusters=False) == f(1536, 1536, 1, clusters=False, prefetch_weight=True)
     assert f(4096, 14336, 2) == f(4096, 14336, 2, prefetch_weight=True) == [1, 4, 8, 8]  # not in the table
+    # other presets' shapes (session 51): one row, then 2..8 rows, each its own entry
+    assert f(2048, 2048, 1) == [1, 4, 1, 4] and f(2048, 2048, 2) == f(2048, 2048, 8) == [1, 4, 4, 4]
+    assert f(6144, 2560, 1) == f(6144, 2560, 4) == f(6144, 2560, 8) == [1, 5, 1, 8]
 
 
 @pytest.mark.ext
