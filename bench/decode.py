@@ -541,10 +541,10 @@ def ab_step(model, batch: int, context: int, variants: list[dict], reps: int = A
     other round in reverse order (so a drift within a round does not always favour the same one),
     and the environment is restored after every timing. The runner sizes its attention workspace
     once, for the splits as found, so a variant may use fewer splits but not more: time 4-warp
-    against wide split blocks as `DECODEX_ATTN_WIDE=0 python -m bench.decode --ab DECODEX_ATTN_WIDE=1`
-    (the other way round the engine stops at its workspace check). plans, fuse_rope, forced: make_runner's (the
-    table's --plans, --no-fused-rope, --force-plans). Prints each timing and the medians; returns
-    {label: [ms, ...]}."""
+    against wide split blocks as `DECODEX_ATTN_WIDE=0 python -m bench.decode --ab
+    DECODEX_ATTN_WIDE=1` (the other way round the engine stops at its workspace check). plans,
+    fuse_rope, forced: make_runner's (the table's --plans, --no-fused-rope, --force-plans). Prints
+    each timing and the medians; returns {label: [ms, ...]}."""
     runner = make_runner(model, batch, context, plans, fuse_rope, forced)
     labels = ["as is"] + [" ".join(f"{k}={v}" for k, v in var.items()) for var in variants]
     times: dict[str, list[float]] = {label: [] for label in labels}
