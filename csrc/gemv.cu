@@ -236,8 +236,8 @@ constexpr TunedRows kTunedRows[] = {
 // H100 in session 48; 13.3-13.5 with (2,2,4,4)). Plain calls want more, shorter k-ranges (a cluster
 // split-K of 2 to 8) than prefetch calls, which start their first loads early. An entry is the
 // sweep's best at each M it serves or within 1.5% of it (M = 4 of the 7B LM head not timed); the
-// 1.5B LM head at M = 1 keeps its prefetch choice (the best plain one was 0.3% faster). Other
-// shapes: the prefetch calls' choice.
+// 1.5B LM head at M = 1 keeps its prefetch choice (the best plain one was 0.3% faster). Ten shapes
+// of other presets follow (session 51). Shapes not listed: the prefetch calls' choice.
 struct TunedPlain {
   int64_t N, K;
   int m_from, m_to;
@@ -274,7 +274,8 @@ constexpr TunedPlain kTunedPlain[] = {
     {2560, 2048, 2, 8, {2, 3, 4, 4}},       //   7.08 -> 5.58 at M = 8
     {4096, 2048, 1, 8, {2, 4, 2, 4}},       // Qwen3-1.7B qkv, Qwen3-30B-A3B q: 8.93 -> 7.47
     {12288, 2048, 2, 8, {2, 2, 4, 4}},      // Qwen3-1.7B gate|up: 20.29 -> 17.15 at M = 8
-    {6144, 2560, 1, 8, {1, 5, 1, 8}},       // Qwen3-4B qkv: 13.97 -> 12.58 (M = 8: the same)
+    {6144, 2560, 1, 8, {1, 5, 1, 8}},       // Qwen3-4B qkv: 13.97 -> 12.58 (M = 8's own choice;
+                                            //   M = 2, 4: 13.7, 13.8 -> 12.0, 12.4 as built)
     {19456, 2560, 1, 1, {1, 5, 2, 4}},      // Qwen3-4B gate|up: 33.96 -> 33.15
     {19456, 2560, 2, 8, {2, 2, 2, 4}},      //   37.89 -> 33.38 at M = 8
     {3072, 2048, 1, 8, {1, 1, 4, 4}},       // Llama-3.2-1B qkv: 7.94 -> 6.08
