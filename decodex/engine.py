@@ -137,11 +137,15 @@ PLAN_MARGIN = 0.005
 # (bench/RESULTS.md): Qwen2.5-1.5B's qkv and gate|up (session 29), at batch 1 1.9% faster at 8K,
 # 1.3% at 16K and 0.9% at 32K, at batch 2 0.6% at 32K, at batch 4 no faster, 2.1% slower at 1K,
 # where the splits merge in a cluster; Qwen2.5-7B's gate|up (session 30), at batch 1 0.5% faster at
-# 8K and 0.5-1.0% at 32K (two runs), at batch 2 0.8% slower at 8K, at 1K 1.7% slower.
+# 8K and 0.5-1.0% at 32K (two runs), at batch 2 0.8% slower at 8K, at 1K 1.7% slower. Swept again
+# at 32K on the wide split blocks (session 53, H100): the 1.5B gate|up (1, 3, 2, 4), 1.1% faster than
+# session 29's (4, 1, 2, 4) at batch 1 on 16-32K and batch 2 on 32K, 0.6% at 8K; the 7B gate|up
+# (1, 7, 2, 8) and qkv (1, 4, 2, 4), together 1.4% faster at batch 1 on 4-32K.
 LONG_CACHE_GEMV = {
     (2048, 1536): ((1, 6, 1, 4), 2),
-    (17920, 1536): ((4, 1, 2, 4), 2),
-    (37888, 3584): ((1, 4, 1, 8), 1),
+    (17920, 1536): ((1, 3, 2, 4), 2),
+    (37888, 3584): ((1, 7, 2, 8), 1),
+    (4608, 3584): ((1, 4, 2, 4), 1),
 }
 CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits take the combine kernel
 
