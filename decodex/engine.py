@@ -140,7 +140,8 @@ PLAN_MARGIN = 0.005
 # 8K and 0.5-1.0% at 32K (two runs), at batch 2 0.8% slower at 8K, at 1K 1.7% slower. Swept again
 # at 32K on the wide split blocks (session 53, H100): the 1.5B gate|up (1, 3, 2, 4), 1.1% faster than
 # session 29's (4, 1, 2, 4) at batch 1 on 16-32K and batch 2 on 32K, 0.6% at 8K; the 7B gate|up
-# (1, 7, 2, 8) and qkv (1, 4, 2, 4), together 1.4% faster at batch 1 on 4-32K.
+# (1, 7, 2, 8) and qkv (1, 4, 2, 4), together 1.4% faster at batch 1 on 4-32K (at batch 2 on 32K 6.6%
+# slower, so they serve one row).
 LONG_CACHE_GEMV = {
     (2048, 1536): ((1, 6, 1, 4), 2),
     (17920, 1536): ((1, 3, 2, 4), 2),

@@ -703,6 +703,16 @@ def test_long_cache_gemv_config_choice():
     assert runner._gemv_config(1, qkv) == entry[(2048, 1536)]
 
 
+def test_long_cache_gemv_entries_are_configurations_of_their_shapes():
+    """Every LONG_CACHE_GEMV entry is one the GEMV kernel takes for its shape (bench.gemv's list,
+    which the in-step sweeps draw from), and serves 1 or 2 rows. Runs on a CPU machine."""
+    from bench.gemv import _configs
+
+    for (N, K), (cfg, rows) in engine.LONG_CACHE_GEMV.items():
+        assert ",".join(map(str, cfg)) in set(_configs(N, K, True)), (N, K, cfg)
+        assert rows in (1, 2), (N, K, rows)
+
+
 @pytest.mark.ext
 def test_cluster_splits_is_the_attention_cluster_limit():
     """engine.CLUSTER_SPLITS mirrors decode_attention.cu's kClusterSplits: a cache of 9-16
