@@ -138,8 +138,8 @@ PLAN_MARGIN = 0.005
 # 1.3% at 16K and 0.9% at 32K, at batch 2 0.6% at 32K, at batch 4 no faster, 2.1% slower at 1K,
 # where the splits merge in a cluster; Qwen2.5-7B's gate|up (session 30), at batch 1 0.5% faster at
 # 8K and 0.5-1.0% at 32K (two runs), at batch 2 0.8% slower at 8K, at 1K 1.7% slower. Swept again
-# at 32K on the wide split blocks (session 53, H100): other entries won there, but they are
-# H100-only wins. Swept at 32K on an H200 (session 54), whose timings the table follows: the 1.5B
+# at 32K on the wide split blocks (session 53, H100): other entries won there, but on that
+# H100 only. Swept at 32K on an H200 (session 54), whose timings the table follows: the 1.5B
 # gate|up back to (4, 1, 2, 4) with a down entry (2, 3, 4, 8), together 1.2% faster than session
 # 53's entries at batch 1 on 8K and 32K and at batch 2 on 32K; the 7B gate|up back to (1, 4, 1, 8)
 # with down (1, 7, 1, 8) and qkv (2, 2, 4, 4), together 2.8% faster at batch 1 on 32K and 2.2% on 8K
