@@ -726,14 +726,15 @@ def test_cluster_splits_is_the_attention_cluster_limit():
 @pytest.mark.gpu
 def test_long_cache_gemv_configs_reach_the_products(monkeypatch):
     """LONG_CACHE_GEMV: with the splits merged in the combine kernel (a 2200-token cache: 17 splits)
-    and at most the entry's rows, the products of the named shapes launch the configuration given
-    (an impossible one fails, so it was passed), the step still matching the reference; a 1-row
-    graph on a short cache (8 splits, the cluster merge) and graphs of more rows than an entry
-    serves pass none."""
+    and at most the entry's rows, the products of the named shapes (qkv, gate|up, and down through
+    the residual-accumulating gemv) launch the configuration given (an impossible one fails, so it
+    was passed), the step still matching the reference; a 1-row graph on a short cache (8 splits,
+    the cluster merge) and graphs of more rows than an entry serves pass none."""
     m = models("qwen2-d128")
     layer = m.gpu.layers[0]
-    qkv, gate_up = tuple(layer.qkv_w.shape), tuple(layer.gate_up_w.shape)
-    for shape, op in [(qkv, "gemv_rope_append"), (gate_up, "gemv_silu_mul")]:
+    qkv, gate_up, down = tuple(layer.qkv_w.shape), tuple(layer.gate_up_w.shape), tuple(layer.down_w.shape)
+    assert len({qkv, gate_up, down, tuple(layer.o_w.shape)}) == 4  # each failure names its product
+    for shape, op in [(qkv, "gemv_rope_append"), (gate_up, "gemv_silu_mul"), (down, "gemv")]:
         monkeypatch.setattr(engine, "LONG_CACHE_GEMV", {shape: ((3, 3, 1, 4), 2)})
         runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=2200)
         with pytest.raises(RuntimeError, match=rf"decodex::{op}: config = \[3, 3, 1, 4\]"):
