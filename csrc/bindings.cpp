@@ -29,8 +29,13 @@ TORCH_LIBRARY(decodex, m) {
   // clusters of c <= 8 blocks (1 below sm_90), u 4 or 8); the result is the same up to the order of
   // the fp32 sums. For callers that time the step around the product (decodex's engine picks other
   // configurations where long-context attention surrounds it).
+  // launch_dependents_early (gemv): the next kernel on the stream may launch before this one waits
+  // for the kernel ahead, so its loads before its own wait (prefetch_weight) overlap that kernel
+  // too. The caller promises that the next kernel reads before its wait nothing the kernel ahead of
+  // this one writes. A hint: the results are the same; the wgmma kernel (above 16 rows) ignores it.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, bool accumulate=False, int[]? config=None) -> ()");
+        "float? rms_eps=None, bool accumulate=False, int[]? config=None, "
+        "bool launch_dependents_early=False) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
   // gemv_silu_mul_max_rows(x's device).

@@ -28,15 +28,18 @@ using OptD = std::optional<double>;
 
 using OptInts = at::OptionalIntArrayRef;
 
-// prefetch_weight, rms_eps, accumulate, config: see the schemas in csrc/bindings.cpp (the weight is
-// not written by the kernel just before this one on the stream; each product row is scaled by
-// 1/rms(x row); out += the product; the kernel configuration [wr, wk, c, u] to launch).
+// prefetch_weight, rms_eps, accumulate, config, launch_dependents_early: see the schemas in
+// csrc/bindings.cpp (the weight is not written by the kernel just before this one on the stream;
+// each product row is scaled by 1/rms(x row); out += the product; the kernel configuration
+// [wr, wk, c, u] to launch; the next kernel may launch before this one waits for the kernel ahead).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
                  bool prefetch_weight = false, OptD rms_eps = std::nullopt,
-                 bool accumulate = false, OptInts config = std::nullopt) {
-  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, OptInts)>(
-      "decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, config);
+                 bool accumulate = false, OptInts config = std::nullopt,
+                 bool launch_dependents_early = false) {
+  static auto h =
+      detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, OptInts, bool)>(
+          "decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, config, launch_dependents_early);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,

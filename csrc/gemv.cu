@@ -441,6 +441,15 @@ bool config_override(GemvConfig& cf, int64_t N, int64_t K, bool clusters) {
   return true;
 }
 
+// GemvOptions::launch_dependents_early, unless DECODEX_GEMV_DEPENDENTS_EARLY names the shape.
+bool dependents_early(bool asked, int64_t N, int64_t K) {
+  int v = 0;
+  if (!config_from_env("DECODEX_GEMV_DEPENDENTS_EARLY", "0|1", N, K, &v, 1)) return asked;
+  DX_CHECK(v == 0 || v == 1, "DECODEX_GEMV_DEPENDENTS_EARLY=\"",
+           std::getenv("DECODEX_GEMV_DEPENDENTS_EARLY"), "\": each value must be 0 or 1");
+  return v == 1;
+}
+
 }  // namespace
 
 // ---- host: the shared checks and launcher (gemv.h) ----
@@ -543,12 +552,13 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-                         at::OptionalIntArrayRef config) {
+                         at::OptionalIntArrayRef config, bool launch_dependents_early) {
   DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",
            "kernel reads x while it writes out)");
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
+  o.launch_dependents_early = launch_dependents_early;
   if (rms_eps.has_value()) o.rms_eps = check_rms_eps(op, *rms_eps);
   if (config.has_value()) {
     const c10::IntArrayRef v = *config;
@@ -625,7 +635,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
       static_cast<int>(K), cf.wr, cf.wk, cf.c,
       static_cast<int>(std::min<int64_t>(int64_t{blocks_per_sm(static_cast<int>(M), cf.u, cf.wr * cf.wk)} * sms,
                                          std::numeric_limits<int>::max())),
-      options.prefetch_weight, options.rms_eps.value_or(0.f), options.accumulate, rope,
+      options.prefetch_weight, dependents_early(options.launch_dependents_early, rows, K),
+      options.rms_eps.value_or(0.f), options.accumulate, rope,
       static_cast<int>(M));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
@@ -638,7 +649,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          at::OptionalIntArrayRef config) {
+          at::OptionalIntArrayRef config, bool launch_dependents_early) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -647,7 +658,8 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   check_gemv_out(out, M, N);
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   const GemvOptions options =
-      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate, config);
+      gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate, config,
+                   launch_dependents_early);
   if (N == 0) return;
   if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);

@@ -41,6 +41,14 @@ struct GemvOptions {
   // (wr, wk, c, u) of gemv.cu's kernel, chosen by the caller (the schemas' `config`) instead of the
   // built-in choice; DECODEX_GEMV_CONFIG, the tuning knob, still overrides it. At most 8 rows of x.
   std::optional<std::array<int, 4>> config;
+  // gemv only: the kernel lets the next kernel on the stream launch before it waits for the kernel
+  // ahead (griddepcontrol.launch_dependents before .wait), so the next kernel's loads before its own
+  // wait (a GEMV's prefetch_weight) overlap the kernel ahead of this one, and not only this one.
+  // The caller promises that the next kernel reads before its wait nothing that the kernel ahead
+  // writes. It pays where the kernel ahead leaves the memory bus idle: the decode step sets it on
+  // the o projection, whose kernel ahead is the attention's merge. DECODEX_GEMV_DEPENDENTS_EARLY,
+  // the A/B knob ("0" or "1" for every shape, or "N,K:0;N,K:1;..."), overrides it.
+  bool launch_dependents_early = false;
 };
 
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
@@ -63,7 +71,8 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 // not overlap out (the kernel reads x while other blocks write out).
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps,
-                         bool accumulate = false, at::OptionalIntArrayRef config = std::nullopt);
+                         bool accumulate = false, at::OptionalIntArrayRef config = std::nullopt,
+                         bool launch_dependents_early = false);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,

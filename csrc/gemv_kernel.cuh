@@ -114,7 +114,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             const __nv_bfloat16* __restrict__ bias,    // [N] or nullptr (nullptr for kSiluMul)
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
-            int prefetch_blocks, bool prefetch_weight,
+            int prefetch_blocks, bool prefetch_weight, bool launch_dependents_early,
             float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
@@ -292,6 +292,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
     }
   };
   if (prefetch_weight) fetch_constants();
+  // launch_dependents_early: the next kernel may launch (and load its weights) while the kernel
+  // ahead of this one still runs (gemv.h's GemvOptions says when that pays).
+  if (launch_dependents_early) pdl_trigger();
   pdl_begin();
   if (!prefetch_weight) fetch_constants();
   int pos_r[2] = {-1, -1};  // kRope: the positions of x rows 2t, 2t + 1
@@ -515,7 +518,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, float, bool, const RopeAppendArgs, int);
+                            int, bool, bool, float, bool, const RopeAppendArgs, int);
 
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 inline int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }

@@ -10,7 +10,7 @@ namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          at::OptionalIntArrayRef config);
+          at::OptionalIntArrayRef config, bool launch_dependents_early);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
                    bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config);
 int64_t gemv_silu_mul_max_rows(int64_t device);

@@ -739,10 +739,12 @@ class CudaGraphRunner(HostLoop):
             self._blas(n, name, x, w, b, self.delta[:n], accumulate=False)
             self._pending_delta = True
             return
-        residual = self.residual[:n]
+        # The o product lets the kernel after it (gate|up, loading its first weights before its
+        # wait) launch before it waits for the attention, whose merge leaves the memory bus idle.
+        residual, early = self.residual[:n], name == "o"
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True,
-                                   config=self._gemv_config(n, w))
+                                   config=self._gemv_config(n, w), launch_dependents_early=early)
 
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k

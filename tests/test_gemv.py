@@ -521,10 +521,13 @@ def test_gemv_accumulate(M, N, K, bias, prefetch_weight):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
-def test_gemv_rms_and_accumulate_chain_in_graph(M):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_rms_and_accumulate_chain_in_graph(M, early):
     """The decode step's pattern, captured with prefetch_weight: h = (W1 r) / rms(r); r += W2 h,
-    three times over, each kernel reading what the one before wrote. Bitwise equal to plain calls,
-    and close to the fp32 reference of the chain."""
+    three times over, each kernel reading what the one before wrote; `early`: the accumulating
+    calls launch their dependents early, as the step's o product does, so a W1 product starts
+    while the W1 product two kernels ahead may still run. Bitwise equal to plain calls, and close
+    to the fp32 reference of the chain."""
     K, N = 1536, 2048
     r0, _ = norm_inputs(M, K)
     w1 = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
@@ -536,7 +539,8 @@ def test_gemv_rms_and_accumulate_chain_in_graph(M):
             torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, rms_eps=RMS_EPS,
                                    config=torch.ops.decodex.gemv_config(N, K, M, prefetch_weight=True))
             torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True,
-                                   config=torch.ops.decodex.gemv_config(K, N, M, prefetch_weight=True))
+                                   config=torch.ops.decodex.gemv_config(K, N, M, prefetch_weight=True),
+                                   launch_dependents_early=prefetch and early)
 
     chain(False)
     want = r.clone()
@@ -551,6 +555,29 @@ def test_gemv_rms_and_accumulate_chain_in_graph(M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(r, want)
+
+
+@pytest.mark.gpu
+def test_gemv_dependents_early_knob(monkeypatch):
+    """DECODEX_GEMV_DEPENDENTS_EARLY overrides launch_dependents_early (a hint: the same bits
+    either way); a malformed value is an error naming it."""
+    x, w, b = _inputs(1, 256, 136)
+
+    def call(early):
+        out = _poisoned(1, 256)
+        torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True, launch_dependents_early=early)
+        return out
+
+    want = call(False)
+    _check(want, x, w, b)
+    assert torch.equal(call(True), want)
+    for value in ("1", "0", "256,136:1;8,8:0", "8,8:1"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+        assert torch.equal(call(True), want) and torch.equal(call(False), want)
+    for bad in ("2", "yes", "256,136:1;", "256,136:0,1"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", bad)
+        with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
+            call(True)
 
 
 @pytest.mark.gpu
@@ -683,7 +710,8 @@ def test_gemv_schema():
     schema = str(torch.ops.decodex.gemv.default._schema)
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, "
-                      "bool accumulate=False, int[]? config=None) -> ()"), schema
+                      "bool accumulate=False, int[]? config=None, "
+                      "bool launch_dependents_early=False) -> ()"), schema
 
 
 @pytest.mark.ext
