@@ -559,8 +559,10 @@ def test_gemv_rms_and_accumulate_chain_in_graph(M, early):
 
 @pytest.mark.gpu
 def test_gemv_dependents_early_knob(monkeypatch):
-    """DECODEX_GEMV_DEPENDENTS_EARLY overrides launch_dependents_early (a hint: the same bits
-    either way); a malformed value is an error naming it."""
+    """launch_dependents_early is a hint: the same bits with it on or off, and under every well-formed
+    DECODEX_GEMV_DEPENDENTS_EARLY (whether the knob really moved the trigger is not observable
+    here; test_gemv_rms_and_accumulate_chain_in_graph runs the early trigger inside a dependent
+    chain); a malformed value is an error naming the knob."""
     x, w, b = _inputs(1, 256, 136)
 
     def call(early):
