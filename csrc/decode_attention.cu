@@ -29,7 +29,8 @@
 //     (bench/RESULTS.md, session 16), and so does rope_append_attention at the GEMVs' batches
 //     (Qwen3's step at batch 1, whose q/k norms put rope_append's work there: session 40).
 // A block has 4 warps (2 blocks an SM), or 8 (one block an SM) for short caches at batch 1 and 2
-// and for long caches at up to 4 (b, KV head) pairs (wide_split_blocks, split_warps). The
+// and for long caches at up to 4 (b, KV head) pairs (wide_split_blocks, split_warps; 6 at head dim
+// 128 there, so that a block fits beside the qkv GEMV's ahead of it). The
 // warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: each block pushes its partial's slices
@@ -978,8 +979,9 @@ constexpr int64_t min_length_splits(int64_t capacity) {
   return (capacity + kMinSplitTokens - 1) / kMinSplitTokens;
 }
 
-// Whether the split blocks are "wide": 8 warps, one block an SM, rather than 4 warps, two an SM
-// (the same 8 warps an SM, each with two 16-token tiles of loads in flight). Wide where one block
+// Whether the split blocks are "wide": 8 warps (6 at head dim 128: split_warps), one block an SM,
+// rather than 4 warps, two an SM (as many warps an SM or fewer, each with two 16-token tiles of
+// loads in flight, and half the splits for the combine). Wide where one block
 // an SM still gives every (b, KV head) pair kWideMinSplits splits or more (at most 4 pairs on 132
 // SMs) and the cache is long enough for them to fill that wave (at least as many minimum-length
 // splits); shorter caches keep their splits and 4-warp blocks. Measured in the step on an H100
@@ -1054,20 +1056,35 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 // on each scheduler. But a block of 8 warps (54K registers) can only become resident once the
 // kernel ahead has left that much of an SM, so over many SMs its first loads start late: measured
 // in the step (bench/RESULTS.md, session 20), 8 warps in clusters gained 0.5-1% at batch 1 (16 and
-// 32 blocks) and lost 6% at batch 8 (128 blocks). DECODEX_ATTN_WARPS=4 or 8 forces it (tests and
-// A/B runs; read per call; another value is an error).
-int split_warps(bool in_cluster, bool wide, int64_t blocks, int device) {
-  const bool eight = env_switch("DECODEX_ATTN_WARPS", "4", "8")
-                         .value_or(in_cluster ? 4 * blocks <= sm_count(device) : wide);
-  return eight ? 2 * kWarps : kWarps;
+// 32 blocks) and lost 6% at batch 8 (128 blocks). So wide blocks of head dim 128 take
+// kWideWarps128 = 6 instead: 8 such warps hold 55K of an SM's 64K registers (212 a thread), and a
+// block of the qkv GEMV ahead (6 warps of 96 registers, 18K) leaves no room for them until it exits,
+// while 6 (41K) become resident beside it and start their loads. Measured in the step on an H100
+// (bench/RESULTS.md, session 56), 6 warps against 8: Qwen2.5-1.5B 0.3-0.4% faster at 32K, 1.1-1.6%
+// at 8-16K; Qwen2.5-3B 0.2-0.4%; Qwen3-30B-A3B 0.5% at 32K, 1.8% at 8K; Qwen2.5-7B within 0.1%.
+// Left at 8: head dim 64 (130 registers: 8 warps fit beside the GEMV; 6 made Qwen2.5-0.5B 2.7%
+// slower at 32K) and the clusters (6 warps 0.2-0.7% slower at 1.5B, 1K). DECODEX_ATTN_WARPS=4, 6
+// or 8 forces it (tests and A/B runs; read per call; another value is an error).
+constexpr int kWideWarps128 = 6;
+int split_warps(bool in_cluster, bool wide, int64_t blocks, int64_t D, int device) {
+  if (const char* env = std::getenv("DECODEX_ATTN_WARPS"); env != nullptr && *env != '\0') {
+    const std::string v(env);
+    DX_CHECK(v == "4" || v == "6" || v == "8",
+             "DECODEX_ATTN_WARPS must be 4, 6 or 8 (or unset), got \"", v, "\"");
+    return v[0] - '0';
+  }
+  if (in_cluster) return 4 * blocks <= sm_count(device) ? 2 * kWarps : kWarps;
+  if (wide) return D == 128 ? kWideWarps128 : 2 * kWarps;
+  return kWarps;
 }
 
 // The register path's split kernel with `warps` warps (split_warps), with rope_append's prologue
 // (kRope) or without.
 template <int D, bool kRope>
 auto* register_split_kernel(int warps) {
-  return warps == 2 * kWarps ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
-                             : decode_attention_split_kernel<D, kRope, false, kWarps>;
+  return warps == 2 * kWarps      ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
+         : warps == kWideWarps128 ? decode_attention_split_kernel<D, kRope, false, kWideWarps128>
+                                  : decode_attention_split_kernel<D, kRope, false, kWarps>;
 }
 
 }  // namespace
@@ -1173,7 +1190,7 @@ void launch_decode_attention(const char* op, const at::Tensor& q, const at::Tens
   // rope_append_attention takes the ring path above kRopeRegisterRows rows, always with kWarps warps.
   const bool ring = rope != nullptr && B > kRopeRegisterRows;
   const bool wide = wide_split_blocks(B * Hkv, S, sms);
-  const int warps = ring ? kWarps : split_warps(in_cluster, wide, blocks, q.get_device());
+  const int warps = ring ? kWarps : split_warps(in_cluster, wide, blocks, D, q.get_device());
 
   auto launch = [&](auto d_tag) {
     constexpr int kD = decltype(d_tag)::value;

@@ -189,15 +189,16 @@ def qkv_views(B, H, Hkv, D, device="cuda"):
 
 # Where decode attention's splits merge, and the split kernel's warps a block: "cluster" (at most 8
 # splits on sm_90: inside the split kernel's cluster, 4 warps a block), "cluster-8w" (the same with 8
-# warps a block, which the op takes for short caches at small batches) or "combine"
+# warps a block, which the op takes for short caches at small batches), "combine"
 # (DECODEX_ATTN_CLUSTER=0: the workspace and the combine kernel, which is also what more than 8 splits
-# always take).
-MERGES = ["cluster", "cluster-8w", "combine"]
+# always take) or "combine-6w" (the same with 6 warps a block).
+MERGES = ["cluster", "cluster-8w", "combine", "combine-6w"]
 
 
 def set_merge(monkeypatch, merge):
-    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "0" if merge == "combine" else "1")
-    monkeypatch.setenv("DECODEX_ATTN_WARPS", "8" if merge.endswith("-8w") else "4")
+    monkeypatch.setenv("DECODEX_ATTN_CLUSTER", "0" if merge.startswith("combine") else "1")
+    warps = merge.rsplit("-", 1)[1][:-1] if merge.endswith("w") else "4"
+    monkeypatch.setenv("DECODEX_ATTN_WARPS", warps)
 
 
 def wgmma_available() -> bool:
