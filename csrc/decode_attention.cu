@@ -29,8 +29,8 @@
 //     (bench/RESULTS.md, session 16), and so does rope_append_attention at the GEMVs' batches
 //     (Qwen3's step at batch 1, whose q/k norms put rope_append's work there: session 40).
 // A block has 4 warps (2 blocks an SM), or 8 (one block an SM) for short caches at batch 1 and 2
-// and for long caches at up to 4 (b, KV head) pairs (wide_split_blocks, split_warps; 6 at head dim
-// 128 there, so that a block fits beside the qkv GEMV's ahead of it). The
+// and for long caches at up to 4 (b, KV head) pairs (wide_split_blocks); split_warps has the
+// exceptions (6 warps: wide blocks of head dim 128, and two blocks an SM of head dim 64). The
 // warps of a block are merged through shared memory into one partial (o, m, l) per (b, head, split).
 // Where there are at most 8 splits (short caches, big batches) and clusters pay (merge_in_cluster),
 // the splits of a (b, KV head) are one thread-block cluster: each block pushes its partial's slices
@@ -1056,16 +1056,22 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 // on each scheduler. But a block of 8 warps (54K registers) can only become resident once the
 // kernel ahead has left that much of an SM, so over many SMs its first loads start late: measured
 // in the step (bench/RESULTS.md, session 20), 8 warps in clusters gained 0.5-1% at batch 1 (16 and
-// 32 blocks) and lost 6% at batch 8 (128 blocks). So wide blocks of head dim 128 take
-// kWideWarps128 = 6 instead: 8 such warps hold 55K of an SM's 64K registers (212 a thread), and a
-// block of the qkv GEMV ahead (6 warps of 96 registers, 18K) leaves no room for them until it exits,
-// while 6 (41K) become resident beside it and start their loads. Measured in the step on an H100
-// (bench/RESULTS.md, session 56), 6 warps against 8: Qwen2.5-1.5B 0.3-0.4% faster at 32K, 1.1-1.6%
-// at 8-16K; Qwen2.5-3B 0.2-0.4%; Qwen3-30B-A3B 0.5% at 32K, 1.8% at 8K; Qwen2.5-7B within 0.1%.
-// Left at 8: head dim 64 (130 registers: 8 warps fit beside the GEMV; 6 made Qwen2.5-0.5B 2.7%
-// slower at 32K) and the clusters (6 warps 0.2-0.7% slower at 1.5B, 1K). DECODEX_ATTN_WARPS=4, 6
-// or 8 forces it (tests and A/B runs; read per call; another value is an error).
-constexpr int kWideWarps128 = 6;
+// 32 blocks) and lost 6% at batch 8 (128 blocks). Two exceptions take kMidWarps = 6 (measured in
+// the step on an H100, bench/RESULTS.md, session 56):
+//  - wide blocks of head dim 128: 8 such warps hold 55K of an SM's 64K registers (212 a thread),
+//    and a block of the qkv GEMV ahead (6 warps of 96 registers, 18K) leaves no room for them until
+//    it exits, while 6 (41K) become resident beside it and start their loads. Against 8: Qwen2.5-1.5B
+//    0.3-0.4% faster at 32K, 0.6-1.6% at 8-16K; Qwen3-30B-A3B 0.5% at 32K, 1.5-1.8% at 8K;
+//    Qwen2.5-3B and -7B within 0.4%. At head dim 64 (130 registers) 8 warps fit beside the GEMV,
+//    and 6 made Qwen2.5-0.5B 2.7% slower at 32K;
+//  - grids of two blocks an SM at head dim 64: two 6-warp blocks (26K each) still fit an SM, 12
+//    warps of loads instead of 8. Against 4: Llama-3.2-1B (8 KV heads) 1.1-2.4% faster at 4-32K, and
+//    1.2-1.5% at batch 4; Qwen2.5-0.5B 0.7-1.9% at batch 4. Where such a grid has one block an SM
+//    or fewer (Qwen2.5-0.5B at 4K, 68 blocks) 6 warps were 1.3% slower, and at head dim 128 two
+//    6-warp blocks do not fit an SM (Qwen3-1.7B and -8B, Llama-3.1-8B up to 3.5% slower).
+// The clusters keep theirs (6 warps 0.2-0.7% slower at 1.5B, 1K). DECODEX_ATTN_WARPS=4, 6 or 8
+// forces it (tests and A/B runs; read per call; another value is an error).
+constexpr int kMidWarps = 6;
 int split_warps(bool in_cluster, bool wide, int64_t blocks, int64_t D, int device) {
   if (const char* env = std::getenv("DECODEX_ATTN_WARPS"); env != nullptr && *env != '\0') {
     const std::string v(env);
@@ -1074,8 +1080,8 @@ int split_warps(bool in_cluster, bool wide, int64_t blocks, int64_t D, int devic
     return v[0] - '0';
   }
   if (in_cluster) return 4 * blocks <= sm_count(device) ? 2 * kWarps : kWarps;
-  if (wide) return D == 128 ? kWideWarps128 : 2 * kWarps;
-  return kWarps;
+  if (wide) return D == 128 ? kMidWarps : 2 * kWarps;
+  return D == 64 && blocks > sm_count(device) ? kMidWarps : kWarps;
 }
 
 // The register path's split kernel with `warps` warps (split_warps), with rope_append's prologue
@@ -1083,7 +1089,7 @@ int split_warps(bool in_cluster, bool wide, int64_t blocks, int64_t D, int devic
 template <int D, bool kRope>
 auto* register_split_kernel(int warps) {
   return warps == 2 * kWarps      ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
-         : warps == kWideWarps128 ? decode_attention_split_kernel<D, kRope, false, kWideWarps128>
+         : warps == kMidWarps ? decode_attention_split_kernel<D, kRope, false, kMidWarps>
                                   : decode_attention_split_kernel<D, kRope, false, kWarps>;
 }
 

@@ -141,8 +141,8 @@ def test_large_batch_few_splits(H, Hkv, D):
 @pytest.mark.parametrize("wide,warps", [("1", None), ("1", "8"), ("0", None)])
 def test_batch_one_many_splits(monkeypatch, wide, warps, length, H, Hkv, D):
     """Batch 1 on a 32K cache: the combine on 5-8 warps, from all splits live to all empty; in
-    wide split blocks (the default: 6 warps at D = 128, 8 at 64), wide 8-warp ones, and 4-warp
-    ones (twice the splits)."""
+    wide split blocks (the default: 6 warps at D = 128, 8 at 64), wide 8-warp ones, and two
+    blocks an SM (twice the splits: 4 warps at D = 128, 6 at 64)."""
     monkeypatch.setenv("DECODEX_ATTN_WIDE", wide)
     if warps is not None:
         monkeypatch.setenv("DECODEX_ATTN_WARPS", warps)
