@@ -1088,9 +1088,9 @@ int split_warps(bool in_cluster, bool wide, int64_t blocks, int64_t D, int devic
 // (kRope) or without.
 template <int D, bool kRope>
 auto* register_split_kernel(int warps) {
-  return warps == 2 * kWarps      ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
+  return warps == 2 * kWarps ? decode_attention_split_kernel<D, kRope, false, 2 * kWarps>
          : warps == kMidWarps ? decode_attention_split_kernel<D, kRope, false, kMidWarps>
-                                  : decode_attention_split_kernel<D, kRope, false, kWarps>;
+                              : decode_attention_split_kernel<D, kRope, false, kWarps>;
 }
 
 }  // namespace

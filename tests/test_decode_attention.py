@@ -32,7 +32,7 @@ LONG = 32768  # long-context cases: capacity LONG + 5
 # over [0, capacity].
 FEW_SPLITS_BATCH, FEW_SPLITS_CAPACITY = 64, 1029
 # Many splits: batch 1 on a LONG + 5 cache (66 splits at Hkv 2 and 132 at Hkv 1 on an H200 in wide
-# blocks, one an SM; with DECODEX_ATTN_WIDE=0 132 and 264 in 4-warp blocks: 8 combine warps, at 264
+# blocks, one an SM; with DECODEX_ATTN_WIDE=0 132 and 264, two blocks an SM: 8 combine warps, at 264
 # 33 splits a warp, i.e. two chunks of 32); the short lengths leave most splits empty.
 MANY_SPLITS_HEADS = [(12, 2), (4, 1)]
 MANY_SPLITS_LENGTHS = [0, 1, 127, 128, 129, 12345, LONG + 5]

@@ -93,8 +93,8 @@ def _decode_rows(B, S, gen):
 # Up to REGISTER_ROWS rows the op takes decode_attention's register path, with as many warps as
 # decode_attention takes (DECODEX_ATTN_WARPS forces both); above, the ring path, always 4 warps a
 # block. The composition's decode_attention equals the op bit for bit with as many warps merging in
-# the same order, so the ring path's cases leave "cluster-8w" and "combine-6w" out, and every test here that does not
-# set a merge runs both on 4 warps.
+# the same order, so the ring path's cases leave "cluster-8w" and "combine-6w" out, and every test
+# here that does not set a merge runs both on 4 warps.
 REGISTER_ROWS = 8
 
 
@@ -169,8 +169,8 @@ def test_matches_reference(with_norms):
 @pytest.mark.parametrize("with_norms", [False, True])
 def test_wide_blocks(monkeypatch, H, Hkv, prefetch, with_norms):
     """One row on a long cache takes wide split blocks (6 warps at D = 128, one an SM: the split
-    count is one block an SM per KV head), as the Qwen3 steps do at batch 1 (Qwen3-30B-A3B: 32 heads over 4 KV
-    heads, q/k norms); the appended row the cache's last, or 264 rows before it."""
+    count is one block an SM per KV head), as the Qwen3 steps do at batch 1 (Qwen3-30B-A3B: 32
+    heads over 4 KV heads, q/k norms); the appended row the cache's last, or 264 rows before it."""
     monkeypatch.delenv("DECODEX_ATTN_WARPS")  # the op's own choice
     S = 33000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
