@@ -1061,7 +1061,7 @@ bool merge_in_cluster(int64_t splits, int64_t blocks, int device) {
 //  - wide blocks of head dim 128: 8 such warps hold 55K of an SM's 64K registers (212 a thread),
 //    and a block of the qkv GEMV ahead (6 warps of 96 registers, 18K) leaves no room for them until
 //    it exits, while 6 (41K) become resident beside it and start their loads. Against 8: Qwen2.5-1.5B
-//    0.3-0.4% faster at 32K, 0.6-1.6% at 8-16K; Qwen3-30B-A3B 0.5% at 32K, 1.5-1.8% at 8K;
+//    0.3-0.4% faster at 32K, 0.6-1.6% at 8-16K; Qwen3-30B-A3B 0.1-0.5% at 32K, 1.5-1.8% at 8K;
 //    Qwen2.5-3B and -7B within 0.4%. At head dim 64 (130 registers) 8 warps fit beside the GEMV,
 //    and 6 made Qwen2.5-0.5B 2.7% slower at 32K;
 //  - grids of two blocks an SM at head dim 64: two 6-warp blocks (26K each) still fit an SM, 12

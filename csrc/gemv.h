@@ -47,7 +47,8 @@ struct GemvOptions {
   // The caller promises that the next kernel reads before its wait nothing that the kernel ahead
   // writes. It pays where the kernel ahead leaves the memory bus idle: the decode step sets it on
   // the o projection, whose kernel ahead is the attention's merge. DECODEX_GEMV_DEPENDENTS_EARLY,
-  // the A/B knob ("0" or "1" for every shape, or "N,K:0;N,K:1;..."), overrides it.
+  // the A/B knob ("0" or "1" for every shape, or "N,K:0;N,K:1;..."), overrides it, and reaches
+  // gemv_silu_mul's and gemv_rope_append's launches too (launch_gemv reads it for every epilogue).
   bool launch_dependents_early = false;
 };
 
