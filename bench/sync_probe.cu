@@ -25,12 +25,18 @@
 // streaming kernels runs at each size, a reference for the GEMVs and attention of the step (not a
 // hard floor: a link issues only KP loads a thread before its wait, and the step's GEMVs, which
 // load a whole round of weights into registers before theirs, can beat it).
+// `sync_probe handoff` prints mode 1's chain (264 blocks, 16 loads a thread) beside the same chain
+// whose links hold back their pre-wait loads until the link before has at most `ahead` MB left to
+// request (a progress counter per link; session 57): whether DRAM idles at a kernel boundary because
+// the next kernel's first loads were served too early, beside the previous kernel's own.
 // Every word of each 16-byte load is used (folded into acc): a load whose middle words are dead is
 // narrowed by the compiler to two 4-byte loads (this probe before session 19 streamed that way).
 // Build here or on the GPU machine, from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o sync_probe bench/sync_probe.cu
 //   ./sync_probe            # the modes
 //   ./sync_probe ceiling    # a dependent streaming chain, per size
+//   ./sync_probe handoff    # that chain with its pre-wait loads held back to the boundary
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cmath>
@@ -68,9 +74,11 @@ __device__ __forceinline__ void prefetch_first(uint4 (&pre)[KP], const uint4* wb
 // of the block's share (KP loads in flight), write x_out = x_in + 1 (each element from one
 // thread; xs and acc only keep the reads alive). kCg: x through L2 only (ld.global.cg), for a
 // buffer that this kernel wrote earlier (the persistent kernel), where L1 could be stale.
+// progress (handoff only): thread 0 adds 1 to it as the block requests each batch of KP loads.
 template <bool kCg, int KP>
 __device__ __forceinline__ void link_body(const float* x_in, float* x_out, int n, const uint4* wb,
-                                          int64_t w_per_block, const uint4 (&pre)[KP]) {
+                                          int64_t w_per_block, const uint4 (&pre)[KP],
+                                          unsigned* progress = nullptr) {
   auto ld_x = [&](int i) { return kCg ? __ldcg(x_in + i) : x_in[i]; };
   float xs = 0.f;
   for (int i = threadIdx.x; i < n; i += kThreads) xs += ld_x(i);
@@ -84,6 +92,7 @@ __device__ __forceinline__ void link_body(const float* x_in, float* x_out, int n
       const int64_t i = i0 + j * kThreads;
       v[j] = i < w_per_block ? ld_stream(wb + i) : make_uint4(0, 0, 0, 0);
     }
+    if (progress != nullptr && threadIdx.x == 0) red_relaxed(progress, 1u);
 #pragma unroll
     for (int j = 0; j < KP; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
   }
@@ -143,9 +152,37 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* x0, float* 
   }
 }
 
-template <int MODE, int KP = kPre>
-void launch_link(cudaStream_t s, int G, bool pdl, const float* in, float* out, int n, const uint4* w,
-                 int64_t wpb, unsigned* flags, int link, unsigned wait_count) {
+// `sync_probe handoff`: mode 1's chain, but a link issues its pre-wait loads only once the link
+// before it has requested `gate` batches (of all its blocks' batches; a batch is one round of KP
+// loads by a block's threads; each block counts its own on the link's progress counter). gate = 0:
+// no holding back (mode 1). Under mode 1 the next link's pre-wait loads are served early, beside
+// this link's own, and DRAM idles from this link's last loads until the next link's loads after its
+// wait come back; held back, they are requested while this link drains. No deadlock: a link
+// launches only once every block of the link before has passed its wait (its trigger), so the
+// blocks whose progress it waits for are running.
+template <int KP>
+__global__ void __launch_bounds__(kThreads) handoff_kernel(const float* x_in, float* x_out, int n,
+                                                           const uint4* w, int64_t w_per_block,
+                                                           unsigned* progress, int link,
+                                                           unsigned gate) {
+  const uint4* wb = w + blockIdx.x * w_per_block;
+  if (link > 0 && gate > 0) {
+    if (threadIdx.x == 0) {
+      while (ld_relaxed(&progress[link - 1]) < gate) __nanosleep(32);
+    }
+    __syncthreads();
+  }
+  uint4 pre[KP];
+  prefetch_first<KP>(pre, wb, w_per_block);
+  if (threadIdx.x == 0) red_relaxed(&progress[link], 1u);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  link_body<false, KP>(x_in, x_out, n, wb, w_per_block, pre, &progress[link]);
+}
+
+// kernel<<<G, kThreads, 0, s>>>(args...), with the PDL attribute if pdl.
+template <typename... Params, typename... Args>
+void launch_probe(cudaStream_t s, int G, bool pdl, void (*kernel)(Params...), Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(G);
   cfg.blockDim = dim3(kThreads);
@@ -155,7 +192,13 @@ void launch_link(cudaStream_t s, int G, bool pdl, const float* in, float* out, i
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, link_kernel<MODE, KP>, in, out, n, w, wpb, flags, link, wait_count));
+  CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+template <int MODE, int KP = kPre>
+void launch_link(cudaStream_t s, int G, bool pdl, const float* in, float* out, int n, const uint4* w,
+                 int64_t wpb, unsigned* flags, int link, unsigned wait_count) {
+  launch_probe(s, G, pdl, link_kernel<MODE, KP>, in, out, n, w, wpb, flags, link, wait_count);
 }
 
 }  // namespace
@@ -214,6 +257,39 @@ int main(int argc, char** argv) {
                 us > 0 ? "yes" : "NO");
   };
 
+  if (argc > 1 && std::strcmp(argv[1], "handoff") == 0) {
+    // Mode 1's chain (264 blocks, KP = 16: the ceiling table's best below 1 GB) against the same
+    // chain gated: a link's pre-wait loads wait until the link before has `ahead` MB left to ask.
+    constexpr int KP = 16;
+    const int G = 264;
+    const int64_t batch = int64_t(KP) * kThreads;  // uint4s a block requests a batch
+    std::printf("| MB per link | ahead MB (- = mode 1) | us per link | GB/s of the stream | chain ok |\n");
+    std::printf("| --- | --- | --- | --- | --- |\n");
+    for (double mb : {16.0, 25.69, 27.53, 33.03, 55.05, 135.8}) {
+      reps = mb > 100 ? 8 : 50;
+      const int64_t per_link = static_cast<int64_t>(mb * 1e6) / 16;
+      const int64_t wpb = per_link / G;
+      const int64_t total = G * ((wpb + batch - 1) / batch);  // batches a link, all blocks
+      for (double ahead : {-1.0, 0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0}) {
+        const int64_t ahead_batches = static_cast<int64_t>(ahead * 1e6 / (batch * 16.0));
+        const unsigned gate =
+            ahead < 0 ? 0u : static_cast<unsigned>(std::max<int64_t>(1, total - ahead_batches));
+        const double us = measure(
+            [&](int k) {
+              const auto a = link_args(k, per_link);
+              launch_probe(s, G, k > 0, handoff_kernel<KP>, a.in, a.out, n, a.w, wpb, flags, k, gate);
+            },
+            false);
+        const double gbs = wpb * G * 16.0 / (std::fabs(us) * 1e3);
+        char what[32];
+        if (ahead < 0) std::snprintf(what, sizeof(what), "-");
+        else std::snprintf(what, sizeof(what), "%.1f", ahead);
+        std::printf("| %.2f | %s | %.2f | %.0f | %s |\n", mb, what, std::fabs(us), gbs,
+                    us > 0 ? "yes" : "NO");
+      }
+    }
+    return 0;
+  }
   if (argc < 2 || std::strcmp(argv[1], "ceiling") != 0) {
     std::printf("| G blocks | MiB per link | mode | us per link | GB/s of the stream | chain ok |\n");
     std::printf("| --- | --- | --- | --- | --- | --- |\n");

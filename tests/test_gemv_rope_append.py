@@ -197,6 +197,54 @@ def test_gemv_rope_append_prefetch_weight_after_writers(ahead):
 
 
 @pytest.mark.gpu
+def test_gemv_rope_append_dependents_early_knob(monkeypatch):
+    """DECODEX_GEMV_DEPENDENTS_EARLY reaches gemv_rope_append's launch too (the GEMV launcher reads
+    it for every epilogue), so the kernel after it may launch before its wait. In a graph of
+    advance_positions -> gemv_rope_append (prefetch_weight) -> gemv reading its q|k|v output,
+    replayed under every well-formed value, out, the caches and the next product equal gemv +
+    rope_append at the advanced positions bit for bit; a malformed value is an error naming the
+    knob."""
+    M, H, Hkv, D, K = 2, 12, 2, 128, 1536
+    x, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
+    N = w.shape[0]
+    w2 = (torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16)
+    pos = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
+    lengths = pos + 1
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.decodex
+    prefetch_config = ops.gemv_config(N, K, M, prefetch_weight=True)  # plain calls have their own
+    y_config = ops.gemv_config(K, N, M, prefetch_weight=True)
+
+    def chain():
+        ops.advance_positions(pos, lengths)
+        ops.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc, prefetch_weight=True)
+        ops.gemv(out, w2, None, y, prefetch_weight=True)
+
+    for value in ("1", f"{N},{K}:1", "0"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+        graph = capture_graph(chain)  # capture_graph runs the chain once first: positions advance
+        for step in range(2):
+            kc2, vc2 = kc.clone(), vc.clone()
+            out.fill_(float("nan"))
+            y.fill_(float("nan"))
+            graph.replay()
+            monkeypatch.delenv("DECODEX_GEMV_DEPENDENTS_EARLY")
+            want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, config=prefetch_config)
+            want_y = torch.empty_like(y)
+            ops.gemv(want, w2, None, want_y, config=y_config)
+            monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+            torch.cuda.synchronize()
+            where = f"under {value!r}, replay {step}"
+            assert torch.equal(out, want), f"{where}: out differs"
+            assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"{where}: caches differ"
+            assert torch.equal(y, want_y), f"{where}: the next product differs"
+    monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", "2")
+    with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
+        ops.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc, prefetch_weight=True)
+
+
+@pytest.mark.gpu
 def test_gemv_rope_append_opcheck():
     x, w, b, kc, vc, inv_freq = _case(2, 3, 1, 16, 40)
     pos = torch.tensor([1, 2], dtype=torch.int32, device="cuda")

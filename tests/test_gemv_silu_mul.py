@@ -122,6 +122,43 @@ def test_gemv_silu_mul_strided_and_graph():
 
 
 @pytest.mark.gpu
+def test_gemv_silu_mul_dependents_early_knob(monkeypatch):
+    """DECODEX_GEMV_DEPENDENTS_EARLY reaches gemv_silu_mul's launch too (the GEMV launcher reads it
+    for every epilogue), so this product may let the next kernel launch before its own wait. In a
+    graph of rms_norm -> gemv_silu_mul -> gemv (the down product, reading the SiLU output; both
+    GEMVs with prefetch_weight) replayed under every well-formed value, the bits equal the same
+    chain run eagerly without the knob; a malformed value is an error naming the knob."""
+    M, I, K = 1, 776, 1544
+    src = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    w = (torch.randn(2 * I, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(K, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    h, y = _poisoned(M, I), torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.decodex
+
+    def chain():
+        ops.rms_norm(src, norm_w, 1e-6, x)
+        ops.gemv_silu_mul(x, w, h, prefetch_weight=True)
+        ops.gemv(h, w2, None, y, prefetch_weight=True)
+
+    chain()
+    want_h, want_y = h.clone(), y.clone()
+    _check_close(want_h, x, w)
+    for value in ("1", f"{2 * I},{K}:1", "0"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+        graph = capture_graph(chain)
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, want_h) and torch.equal(y, want_y), f"differs under {value!r}"
+    monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", "2")
+    with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
+        ops.gemv_silu_mul(x, w, h, prefetch_weight=True)
+
+
+@pytest.mark.gpu
 def test_gemv_silu_mul_opcheck():
     x, w = _inputs(3, 40, 136)
     torch.library.opcheck(torch.ops.decodex.gemv_silu_mul.default, (x, w, _poisoned(3, 40)))
