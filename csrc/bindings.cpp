@@ -33,14 +33,18 @@ TORCH_LIBRARY(decodex, m) {
   // for the kernel ahead, so its loads before its own wait (prefetch_weight) overlap that kernel
   // too. The caller promises that the next kernel reads before its wait nothing the kernel ahead of
   // this one writes. A hint: the results are the same; the wgmma kernel (above 16 rows) ignores it.
+  // launch_dependents_after (gemv, gemv_silu_mul; 0 to 100, 0 = off): the next kernel may launch
+  // only once each warp has issued that percentage of its main loop's loads, so that its loads
+  // before its wait fill this product's drain (csrc/gemv.h). Also a hint, taken at one row of x
+  // only; excludes launch_dependents_early.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
         "float? rms_eps=None, bool accumulate=False, int[]? config=None, "
-        "bool launch_dependents_early=False) -> ()");
+        "bool launch_dependents_early=False, int launch_dependents_after=0) -> ()");
   // out[M,I] = silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for weight [2I, K] = [gate; up]: gemv and
   // silu_mul in one kernel (equal to them bit for bit up to 8 rows); K % 8 == 0; M <=
   // gemv_silu_mul_max_rows(x's device).
   m.def("gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, bool prefetch_weight=False, "
-        "float? rms_eps=None, int[]? config=None) -> ()");
+        "float? rms_eps=None, int[]? config=None, int launch_dependents_after=0) -> ()");
   // The most rows of x gemv_silu_mul takes on CUDA device `device`: 64 where its wgmma kernel runs
   // (an sm_90a build on a device of compute capability 9.0), else 8.
   m.def("gemv_silu_mul_max_rows(int device) -> int", &decodex::gemv_silu_mul_max_rows);

@@ -28,24 +28,27 @@ using OptD = std::optional<double>;
 
 using OptInts = at::OptionalIntArrayRef;
 
-// prefetch_weight, rms_eps, accumulate, config, launch_dependents_early: see the schemas in
-// csrc/bindings.cpp (the weight is not written by the kernel just before this one on the stream;
-// each product row is scaled by 1/rms(x row); out += the product; the kernel configuration
-// [wr, wk, c, u] to launch; the next kernel may launch before this one waits for the kernel ahead).
+// prefetch_weight, rms_eps, accumulate, config, launch_dependents_early, launch_dependents_after:
+// see the schemas in csrc/bindings.cpp (the weight is not written by the kernel just before this
+// one on the stream; each product row is scaled by 1/rms(x row); out += the product; the kernel
+// configuration [wr, wk, c, u] to launch; the next kernel may launch before this one waits for the
+// kernel ahead; or only after this percentage of its main loop).
 inline void gemv(const T& x, const T& weight, const OptT& bias, T& out,
                  bool prefetch_weight = false, OptD rms_eps = std::nullopt,
                  bool accumulate = false, OptInts config = std::nullopt,
-                 bool launch_dependents_early = false) {
-  static auto h =
-      detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, OptInts, bool)>(
-          "decodex::gemv");
-  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, config, launch_dependents_early);
+                 bool launch_dependents_early = false, int64_t launch_dependents_after = 0) {
+  static auto h = detail::op<void(const T&, const T&, const OptT&, T&, bool, OptD, bool, OptInts,
+                                  bool, int64_t)>("decodex::gemv");
+  h.call(x, weight, bias, out, prefetch_weight, rms_eps, accumulate, config, launch_dependents_early,
+         launch_dependents_after);
 }
 
 inline void gemv_silu_mul(const T& x, const T& weight, T& out, bool prefetch_weight = false,
-                          OptD rms_eps = std::nullopt, OptInts config = std::nullopt) {
-  static auto h = detail::op<void(const T&, const T&, T&, bool, OptD, OptInts)>("decodex::gemv_silu_mul");
-  h.call(x, weight, out, prefetch_weight, rms_eps, config);
+                          OptD rms_eps = std::nullopt, OptInts config = std::nullopt,
+                          int64_t launch_dependents_after = 0) {
+  static auto h = detail::op<void(const T&, const T&, T&, bool, OptD, OptInts, int64_t)>(
+      "decodex::gemv_silu_mul");
+  h.call(x, weight, out, prefetch_weight, rms_eps, config, launch_dependents_after);
 }
 
 // The most rows of x gemv_silu_mul takes on CUDA device `device` (64 or 8).

@@ -450,6 +450,15 @@ bool dependents_early(bool asked, int64_t N, int64_t K) {
   return v == 1;
 }
 
+// GemvOptions::launch_dependents_after, unless DECODEX_GEMV_DEPENDENTS_AFTER names the shape.
+int dependents_after(int asked, int64_t N, int64_t K) {
+  int v = 0;
+  if (!config_from_env("DECODEX_GEMV_DEPENDENTS_AFTER", "pct", N, K, &v, 1)) return asked;
+  DX_CHECK(v >= 0 && v <= 100, "DECODEX_GEMV_DEPENDENTS_AFTER=\"",
+           std::getenv("DECODEX_GEMV_DEPENDENTS_AFTER"), "\": each value must be 0 to 100");
+  return v;
+}
+
 }  // namespace
 
 // ---- host: the shared checks and launcher (gemv.h) ----
@@ -552,13 +561,20 @@ const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, cons
 
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-                         at::OptionalIntArrayRef config, bool launch_dependents_early) {
+                         at::OptionalIntArrayRef config, bool launch_dependents_early,
+                         int64_t launch_dependents_after) {
   DX_CHECK(!spans_overlap(x, out), "decodex::", op, ": x and out must not overlap in memory (the ",
            "kernel reads x while it writes out)");
   GemvOptions o;
   o.prefetch_weight = prefetch_weight;
   o.accumulate = accumulate;
   o.launch_dependents_early = launch_dependents_early;
+  DX_CHECK(launch_dependents_after >= 0 && launch_dependents_after <= 100, "decodex::", op,
+           ": launch_dependents_after must be 0 to 100 (a percentage of the main loop), got ",
+           launch_dependents_after);
+  DX_CHECK(!launch_dependents_early || launch_dependents_after == 0, "decodex::", op,
+           ": launch_dependents_early and launch_dependents_after > 0 exclude each other");
+  o.launch_dependents_after = static_cast<int>(launch_dependents_after);
   if (rms_eps.has_value()) o.rms_eps = check_rms_eps(op, *rms_eps);
   if (config.has_value()) {
     const c10::IntArrayRef v = *config;
@@ -637,7 +653,7 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                          std::numeric_limits<int>::max())),
       options.prefetch_weight, dependents_early(options.launch_dependents_early, rows, K),
       options.rms_eps.value_or(0.f), options.accumulate, rope,
-      static_cast<int>(M));
+      static_cast<int>(M), dependents_after(options.launch_dependents_after, rows, K));
   DX_CHECK(err == cudaSuccess, "decodex::", op, " kernel launch failed (wr=", cf.wr, ", wk=", cf.wk,
            ", c=", cf.c, ", u=", cf.u, "): ", cudaGetErrorString(err));
   const cudaError_t late = cudaGetLastError();
@@ -649,7 +665,8 @@ void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          at::OptionalIntArrayRef config, bool launch_dependents_early) {
+          at::OptionalIntArrayRef config, bool launch_dependents_early,
+          int64_t launch_dependents_after) {
   check_gemv_x_weight("gemv", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), N = weight.size(0);
   DX_CHECK(M <= kMaxRows || !rms_eps.has_value(), "decodex::gemv: rms_eps needs M <= ", kMaxRows,
@@ -659,7 +676,7 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
   const __nv_bfloat16* bias_ptr = check_gemv_bias(bias, x, N);
   const GemvOptions options =
       gemv_options("gemv", x, out, prefetch_weight, rms_eps, accumulate, config,
-                   launch_dependents_early);
+                   launch_dependents_early, launch_dependents_after);
   if (N == 0) return;
   if (gemv_prefers_wgmma(M, N, x.size(1), x.get_device())) {
     launch_gemv_wide("gemv", x, weight, bias_ptr, out, GemvEpilogue::kStore, options);
@@ -669,7 +686,8 @@ void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 }
 
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config) {
+                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config,
+                   int64_t launch_dependents_after) {
   check_gemv_x_weight("gemv_silu_mul", x, weight, out, kMaxRowsWide);
   const int64_t M = x.size(0), rows = weight.size(0);
   DX_CHECK(M <= gemv_silu_mul_max_rows(x.get_device()), "decodex::gemv_silu_mul: more than ",
@@ -679,7 +697,8 @@ void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
            "weight.size(0) must be even, got ", weight.sizes());
   check_gemv_out(out, M, rows / 2);
   const GemvOptions options =
-      gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps, false, config);
+      gemv_options("gemv_silu_mul", x, out, prefetch_weight, rms_eps, false, config, false,
+                   launch_dependents_after);
   if (rows == 0) return;
   if (M > kMaxRows) {
     launch_gemv_wide("gemv_silu_mul", x, weight, nullptr, out, GemvEpilogue::kSiluMul, options);

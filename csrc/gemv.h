@@ -50,6 +50,18 @@ struct GemvOptions {
   // the A/B knob ("0" or "1" for every shape, or "N,K:0;N,K:1;..."), overrides it, and reaches
   // gemv_silu_mul's and gemv_rope_append's launches too (launch_gemv reads it for every epilogue).
   bool launch_dependents_early = false;
+  // gemv and gemv_silu_mul (1 to 100; 0: off): the next kernel may launch only once every warp has
+  // issued the loads of this percentage of its main loop's trips (100: as the blocks exit), not
+  // right after the wait. The next kernel's loads before its wait (prefetch_weight) then come as
+  // this product's own drain, instead of early beside them (then DRAM idles between this kernel's
+  // last loads and the next one's first after its wait). It pays where this product is large and
+  // the next kernel's blocks fit beside its own: the decode step sets it on Qwen2.5-1.5B's gate|up
+  // and down (bench/RESULTS.md, session 57). launch_dependents_early wins over it. One row of x
+  // only: the instances of more rows (whose registers are all taken at u = 8) and the wgmma kernel
+  // ignore it, as a hint may be ignored.
+  // DECODEX_GEMV_DEPENDENTS_AFTER (a percentage for every shape, or "N,K:pct;..."), the A/B knob,
+  // overrides it and reaches gemv_rope_append's launches too.
+  int launch_dependents_after = 0;
 };
 
 // Rows of x the plain gemv takes (kStore without RMS); the fused epilogues and rms_eps take 8.
@@ -68,12 +80,13 @@ void check_gemv_out(const at::Tensor& out, int64_t M, int64_t n_out);
 const __nv_bfloat16* check_gemv_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                                      int64_t N, const char* x_name = "x");
 // The options from the schema arguments: rms_eps none or finite and >= 0; config none or four
-// values for at most kMaxRows rows of x (launch_gemv checks them against the device); and x must
-// not overlap out (the kernel reads x while other blocks write out).
+// values for at most kMaxRows rows of x (launch_gemv checks them against the device);
+// launch_dependents_after 0 to 100, and 0 with launch_dependents_early; and x must not overlap out
+// (the kernel reads x while other blocks write out).
 GemvOptions gemv_options(const char* op, const at::Tensor& x, const at::Tensor& out,
                          bool prefetch_weight, std::optional<double> rms_eps,
                          bool accumulate = false, at::OptionalIntArrayRef config = std::nullopt,
-                         bool launch_dependents_early = false);
+                         bool launch_dependents_early = false, int64_t launch_dependents_after = 0);
 // Launches the GEMV of x and weight with the given epilogue (rope: kRopeAppend's arguments).
 void launch_gemv(const char* op, const at::Tensor& x, const at::Tensor& weight,
                  const __nv_bfloat16* bias, at::Tensor& out, GemvEpilogue epilogue,

@@ -115,7 +115,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
             __nv_bfloat16* __restrict__ out,           // [M, ldo]
             int64_t ldx, int64_t ldw, int64_t ldo, int N, int K, int wr, int wk, int c,
             int prefetch_blocks, bool prefetch_weight, bool launch_dependents_early,
-            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows) {
+            float rms_eps, bool accumulate, const RopeAppendArgs rope, int m_rows,
+            int dependents_after) {
   constexpr bool kSilu = kEpi == static_cast<int>(GemvEpilogue::kSiluMul);
   constexpr bool kRope = kEpi == static_cast<int>(GemvEpilogue::kRopeAppend);
   // Blocks of 8 x rows, each the n = 8 of its own mmas: 1 up to M = 8; M / 8 for the wide
@@ -293,9 +294,17 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   };
   if (prefetch_weight) fetch_constants();
   // launch_dependents_early: the next kernel may launch (and load its weights) while the kernel
-  // ahead of this one still runs (gemv.h's GemvOptions says when that pays).
+  // ahead of this one still runs; dependents_after (percent; one row of x only: the instances of
+  // more rows have no registers to spare for it): only once this warp has issued that share of its
+  // trips' loads, so that the next kernel's loads before its wait come as this one's drain
+  // (gemv.h's GemvOptions says when each pays). Otherwise right after the wait, as pdl_begin.
   if (launch_dependents_early) pdl_trigger();
-  pdl_begin();
+  pdl_wait();
+  const int trips = s_begin < s_end ? (s_end - s_begin + U - 1) / U : 0;
+  // The trip before whose loads the warp triggers (trips: none, it triggers as the block exits).
+  const int trigger_trip = M == 1 ? dependents_after * trips / 100 : 0;
+  const int trigger_s = s_begin + trigger_trip * U;
+  if (trigger_trip == 0) pdl_trigger();
   if (!prefetch_weight) fetch_constants();
   int pos_r[2] = {-1, -1};  // kRope: the positions of x rows 2t, 2t + 1
   if constexpr (kRope) {
@@ -322,6 +331,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   }
   for (int s = s_begin + U; s < s_end; s += U) {
     uint4 wa[U], wb[U];
+    if (M == 1 && s == trigger_s) pdl_trigger();
     load_weights(wa, wb, s);
     x_and_mma(wa, wb, s);
   }
@@ -518,7 +528,7 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
 
 using GemvKernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
                             __nv_bfloat16*, int64_t, int64_t, int64_t, int, int, int, int, int,
-                            int, bool, bool, float, bool, const RopeAppendArgs, int);
+                            int, bool, bool, float, bool, const RopeAppendArgs, int, int);
 
 // The kernel's template M for m rows of x: m itself up to 8, else m rounded up to a multiple of 8.
 inline int kernel_rows(int m) { return m <= kMaxRows ? m : (m + 7) / 8 * 8; }

@@ -10,9 +10,11 @@ namespace decodex {
 
 void gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out, bool prefetch_weight, std::optional<double> rms_eps, bool accumulate,
-          at::OptionalIntArrayRef config, bool launch_dependents_early);
+          at::OptionalIntArrayRef config, bool launch_dependents_early,
+          int64_t launch_dependents_after);
 void gemv_silu_mul(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
-                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config);
+                   bool prefetch_weight, std::optional<double> rms_eps, at::OptionalIntArrayRef config,
+                   int64_t launch_dependents_after);
 int64_t gemv_silu_mul_max_rows(int64_t device);
 std::vector<int64_t> gemv_config(int64_t N, int64_t K, int64_t M, bool clusters, bool prefetch_weight);
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);

@@ -153,6 +153,17 @@ LONG_CACHE_GEMV = {
     (4608, 3584): ((2, 2, 4, 4), 1),
 }
 CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits take the combine kernel
+# The GEMV ops' launch_dependents_after (csrc/gemv.h) for products of graphs of one row, keyed by
+# weight shape [N, K]: (the percentage on short caches, on caches whose attention merges in the
+# combine kernel, as LONG_CACHE_GEMV). The next kernel then launches late in the product's main
+# loop, so that its loads before its wait (prefetch_weight) come as the product drains, not
+# beside its first loads. Qwen2.5-1.5B's gate|up and down, from scratch A/Bs of percentages on an
+# H100 (bench/RESULTS.md, session 57): 1.6% faster at 1K (80 / 50), 0.7% at 32K (80 / 80). The 7B's
+# gate|up was 0.6% slower at 80, its down unchanged.
+DEPENDENTS_AFTER = {
+    (17920, 1536): (80, 80),
+    (1536, 8960): (50, 80),
+}
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -683,6 +694,14 @@ class CudaGraphRunner(HostLoop):
             return None
         return list(cfg) if cfg[2] == 1 or self._clusters else None
 
+    def _dependents_after(self, n: int, w) -> int:
+        """The GEMV ops' launch_dependents_after for a product of n rows with weight w:
+        DEPENDENTS_AFTER's entry for w's shape at one row (short or long cache), else 0."""
+        short, long = DEPENDENTS_AFTER.get(tuple(w.shape), (0, 0))
+        if n != 1:
+            return 0
+        return long if self._splits[n] > CLUSTER_SPLITS else short
+
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
         rms_eps is given (gemv8 only)."""
@@ -741,10 +760,13 @@ class CudaGraphRunner(HostLoop):
             return
         # The o product lets the kernel after it (gate|up, loading its first weights before its
         # wait) launch before it waits for the attention, whose merge leaves the memory bus idle.
+        # The 1.5B down product lets it launch late instead (DEPENDENTS_AFTER).
         residual, early = self.residual[:n], name == "o"
+        after = 0 if early else self._dependents_after(n, w)
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True,
-                                   config=self._gemv_config(n, w), launch_dependents_early=early)
+                                   config=self._gemv_config(n, w), launch_dependents_early=early,
+                                   launch_dependents_after=after)
 
     def _qkv_rope(self, n: int, x, rms_eps, layer, k_cache, v_cache, append: bool = True) -> None:
         """qkv[n] = x @ qkv_w^T (+ qkv_b) (scaled by 1/rms(x) first if rms_eps is given) with q and k
@@ -807,7 +829,8 @@ class CudaGraphRunner(HostLoop):
         else:
             for s in self._gemv_rows(n, "gate_up"):
                 torch.ops.decodex.gemv_silu_mul(x[s], w, act[s], prefetch_weight=True, rms_eps=rms_eps,
-                                                config=self._gemv_config(n, w))
+                                                config=self._gemv_config(n, w),
+                                                launch_dependents_after=self._dependents_after(n, w))
 
     def _moe(self, n: int, x, rms_eps, layer) -> None:
         """residual[n] += the expert layer's output for x[n, Hd] (scaled by 1/rms(x) first if rms_eps

@@ -713,6 +713,29 @@ def test_long_cache_gemv_entries_are_configurations_of_their_shapes():
         assert rows in (1, 2), (N, K, rows)
 
 
+def test_dependents_after_choice():
+    """_dependents_after on a stand-in runner (no GPU): DEPENDENTS_AFTER's short-cache entry where
+    the splits merge in a cluster, its long-cache entry past CLUSTER_SPLITS, for one row only and
+    named shapes only; every entry a percentage the GEMV ops take."""
+
+    class Weight:
+        def __init__(self, *shape):
+            self.shape = torch.Size(shape)
+
+    for shape, pcts in engine.DEPENDENTS_AFTER.items():
+        assert len(pcts) == 2 and all(0 <= p <= 100 for p in pcts), (shape, pcts)
+    runner = object.__new__(engine.CudaGraphRunner)
+    gate_up, down = Weight(17920, 1536), Weight(1536, 8960)
+    short_gu, long_gu = engine.DEPENDENTS_AFTER[(17920, 1536)]
+    short_down, long_down = engine.DEPENDENTS_AFTER[(1536, 8960)]
+    runner._splits = {1: 132, 2: 66}
+    assert runner._dependents_after(1, gate_up) == long_gu and runner._dependents_after(1, down) == long_down
+    assert runner._dependents_after(2, gate_up) == 0  # one row only
+    assert runner._dependents_after(1, Weight(1536, 1536)) == 0  # a shape not named
+    runner._splits = {1: 8}  # a short cache: the splits merge in a cluster
+    assert runner._dependents_after(1, gate_up) == short_gu and runner._dependents_after(1, down) == short_down
+
+
 @pytest.mark.ext
 def test_cluster_splits_is_the_attention_cluster_limit():
     """engine.CLUSTER_SPLITS mirrors decode_attention.cu's kClusterSplits: a cache of 9-16
@@ -752,6 +775,27 @@ def test_long_cache_gemv_configs_reach_the_products(monkeypatch):
     run_and_check("qwen2 long-cache configs", m, runner, [prompt], steps=16)
     short = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=256)
     assert short._splits[1] <= engine.CLUSTER_SPLITS and short._gemv_config(1, layer.qkv_w) is None
+
+
+@pytest.mark.gpu
+def test_dependents_after_reaches_the_products(monkeypatch):
+    """DEPENDENTS_AFTER: a 1-row graph's gate|up (gemv_silu_mul) and down (the residual-accumulating
+    gemv) products are launched with their entry's percentage, short cache or long (an impossible
+    one fails, so it was passed), and the step with entries in place still matches the reference."""
+    m = models("qwen2-d128")
+    layer = m.gpu.layers[0]
+    gate_up, down = tuple(layer.gate_up_w.shape), tuple(layer.down_w.shape)
+    for shape, op in [(gate_up, "gemv_silu_mul"), (down, "gemv")]:
+        for capacity, bad in [(256, (101, 0)), (2200, (0, 101))]:
+            monkeypatch.setattr(engine, "DEPENDENTS_AFTER", {shape: bad})
+            runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=capacity)
+            with pytest.raises(RuntimeError, match=rf"decodex::{op}: launch_dependents_after must be 0 to 100"):
+                runner.capture(1)
+    monkeypatch.setattr(engine, "DEPENDENTS_AFTER", {gate_up: (80, 90), down: (50, 100)})
+    prompt = torch.randint(0, m.config.vocab_size, (37,)).tolist()
+    for capacity in (256, 2200):
+        runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=capacity)
+        run_and_check(f"qwen2 dependents after, capacity {capacity}", m, runner, [prompt], steps=16)
 
 
 @pytest.mark.gpu

@@ -521,13 +521,17 @@ def test_gemv_accumulate(M, N, K, bias, prefetch_weight):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("early", [False, True])
-def test_gemv_rms_and_accumulate_chain_in_graph(M, early):
+@pytest.mark.parametrize("trigger", ["wait", "early", "after1", "after60", "after100"])
+def test_gemv_rms_and_accumulate_chain_in_graph(M, trigger):
     """The decode step's pattern, captured with prefetch_weight: h = (W1 r) / rms(r); r += W2 h,
-    three times over, each kernel reading what the one before wrote; `early`: the accumulating
-    calls launch their dependents early, as the step's o product does, so a W1 product starts
-    while the W1 product two kernels ahead may still run. Bitwise equal to plain calls, and close
-    to the fp32 reference of the chain."""
+    three times over, each kernel reading what the one before wrote. Where each lets the next
+    launch (`trigger`): right after its wait; "early": the accumulating calls before their wait,
+    as the step's o product does, so a W1 product starts while the W1 product two kernels ahead may
+    still run; "afterP": both products only after P% of their main loop (launch_dependents_after,
+    as the step's 1.5B gate|up and down; one row only, M = 8 ignores it). Bitwise equal to plain
+    calls, and close to the fp32 reference of the chain."""
+    early = trigger == "early"
+    after = int(trigger[5:]) if trigger.startswith("after") else 0
     K, N = 1536, 2048
     r0, _ = norm_inputs(M, K)
     w1 = [(torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(3)]
@@ -537,10 +541,12 @@ def test_gemv_rms_and_accumulate_chain_in_graph(M, early):
     def chain(prefetch):  # plain calls launch the prefetch calls' configurations (kTunedPlain aside)
         for a, c in zip(w1, w2):
             torch.ops.decodex.gemv(r, a, None, h, prefetch_weight=prefetch, rms_eps=RMS_EPS,
-                                   config=torch.ops.decodex.gemv_config(N, K, M, prefetch_weight=True))
+                                   config=torch.ops.decodex.gemv_config(N, K, M, prefetch_weight=True),
+                                   launch_dependents_after=after if prefetch else 0)
             torch.ops.decodex.gemv(h, c, None, r, prefetch_weight=prefetch, accumulate=True,
                                    config=torch.ops.decodex.gemv_config(K, N, M, prefetch_weight=True),
-                                   launch_dependents_early=prefetch and early)
+                                   launch_dependents_early=prefetch and early,
+                                   launch_dependents_after=after if prefetch else 0)
 
     chain(False)
     want = r.clone()
@@ -580,6 +586,40 @@ def test_gemv_dependents_early_knob(monkeypatch):
         monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", bad)
         with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
             call(True)
+
+
+@pytest.mark.gpu
+def test_gemv_dependents_after_checks_and_knob(monkeypatch):
+    """launch_dependents_after is a hint too: the same bits at 0 to 100 and under every well-formed
+    DECODEX_GEMV_DEPENDENTS_AFTER (which wins over the argument; test_gemv_rms_and_accumulate_chain_
+    in_graph runs the late trigger inside a dependent chain); outside 0..100, or beside
+    launch_dependents_early, the argument is an error naming it; a malformed knob one naming the
+    knob. A warp with fewer trips than the percentage asks for (K = 136: 5 k-steps) triggers as its
+    block exits."""
+    x, w, b = _inputs(1, 256, 136)
+
+    def call(after, early=False):
+        out = _poisoned(1, 256)
+        torch.ops.decodex.gemv(x, w, b, out, prefetch_weight=True, launch_dependents_early=early,
+                               launch_dependents_after=after)
+        return out
+
+    want = call(0)
+    _check(want, x, w, b)
+    for after in (1, 50, 99, 100):
+        assert torch.equal(call(after), want), after
+    for bad in (-1, 101):
+        with pytest.raises(RuntimeError, match=r"gemv: launch_dependents_after must be 0 to 100"):
+            call(bad)
+    with pytest.raises(RuntimeError, match="launch_dependents_early and launch_dependents_after"):
+        call(50, early=True)
+    for value in ("100", "0", "256,136:70;8,8:0", "8,8:30"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_AFTER", value)
+        assert torch.equal(call(0), want) and torch.equal(call(40), want)
+    for bad in ("101", "-1", "late", "256,136:50;", "256,136:1,2"):
+        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_AFTER", bad)
+        with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_AFTER"):
+            call(0)
 
 
 @pytest.mark.gpu
@@ -713,7 +753,7 @@ def test_gemv_schema():
     assert schema == ("decodex::gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, "
                       "bool prefetch_weight=False, float? rms_eps=None, "
                       "bool accumulate=False, int[]? config=None, "
-                      "bool launch_dependents_early=False) -> ()"), schema
+                      "bool launch_dependents_early=False, int launch_dependents_after=0) -> ()"), schema
 
 
 @pytest.mark.ext

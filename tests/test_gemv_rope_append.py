@@ -197,9 +197,11 @@ def test_gemv_rope_append_prefetch_weight_after_writers(ahead):
 
 
 @pytest.mark.gpu
-def test_gemv_rope_append_dependents_early_knob(monkeypatch):
-    """DECODEX_GEMV_DEPENDENTS_EARLY reaches gemv_rope_append's launch too (the GEMV launcher reads
-    it for every epilogue), so the kernel after it may launch before its wait. In a graph of
+@pytest.mark.parametrize("knob", ["DECODEX_GEMV_DEPENDENTS_EARLY", "DECODEX_GEMV_DEPENDENTS_AFTER"])
+def test_gemv_rope_append_dependents_knobs(monkeypatch, knob):
+    """DECODEX_GEMV_DEPENDENTS_EARLY and _AFTER reach gemv_rope_append's launch too (the GEMV
+    launcher reads them for every epilogue), so the kernel after it may launch before its wait, or
+    only late in its main loop. In a graph of
     advance_positions -> gemv_rope_append (prefetch_weight) -> gemv reading its q|k|v output,
     replayed under every well-formed value, out, the caches and the next product equal gemv +
     rope_append at the advanced positions bit for bit; a malformed value is an error naming the
@@ -221,26 +223,27 @@ def test_gemv_rope_append_dependents_early_knob(monkeypatch):
         ops.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc, prefetch_weight=True)
         ops.gemv(out, w2, None, y, prefetch_weight=True)
 
-    for value in ("1", f"{N},{K}:1", "0"):
-        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+    values = ("1", f"{N},{K}:1", "0") if knob.endswith("EARLY") else ("60", f"{N},{K}:100", "0")
+    for value in values:
+        monkeypatch.setenv(knob, value)
         graph = capture_graph(chain)  # capture_graph runs the chain once first: positions advance
         for step in range(2):
             kc2, vc2 = kc.clone(), vc.clone()
             out.fill_(float("nan"))
             y.fill_(float("nan"))
             graph.replay()
-            monkeypatch.delenv("DECODEX_GEMV_DEPENDENTS_EARLY")
+            monkeypatch.delenv(knob)
             want = _unfused(x, w, b, inv_freq, pos, kc2, vc2, config=prefetch_config)
             want_y = torch.empty_like(y)
             ops.gemv(want, w2, None, want_y, config=y_config)
-            monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
+            monkeypatch.setenv(knob, value)
             torch.cuda.synchronize()
             where = f"under {value!r}, replay {step}"
             assert torch.equal(out, want), f"{where}: out differs"
             assert torch.equal(kc, kc2) and torch.equal(vc, vc2), f"{where}: caches differ"
             assert torch.equal(y, want_y), f"{where}: the next product differs"
-    monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", "2")
-    with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
+    monkeypatch.setenv(knob, "101")
+    with pytest.raises(RuntimeError, match=knob):
         ops.gemv_rope_append(x, w, b, inv_freq, pos, out, kc, vc, prefetch_weight=True)
 
 

@@ -122,12 +122,14 @@ def test_gemv_silu_mul_strided_and_graph():
 
 
 @pytest.mark.gpu
-def test_gemv_silu_mul_dependents_early_knob(monkeypatch):
-    """DECODEX_GEMV_DEPENDENTS_EARLY reaches gemv_silu_mul's launch too (the GEMV launcher reads it
-    for every epilogue), so this product may let the next kernel launch before its own wait. In a
-    graph of rms_norm -> gemv_silu_mul -> gemv (the down product, reading the SiLU output; both
-    GEMVs with prefetch_weight) replayed under every well-formed value, the bits equal the same
-    chain run eagerly without the knob; a malformed value is an error naming the knob."""
+@pytest.mark.parametrize("knob", ["DECODEX_GEMV_DEPENDENTS_EARLY", "DECODEX_GEMV_DEPENDENTS_AFTER"])
+def test_gemv_silu_mul_dependents_knobs(monkeypatch, knob):
+    """Where gemv_silu_mul lets the next kernel launch: launch_dependents_after, and both knobs (the
+    GEMV launcher reads them for every epilogue), so this product may let the next kernel launch
+    before its own wait, or only late in its main loop. In a graph of rms_norm -> gemv_silu_mul ->
+    gemv (the down product, reading the SiLU output; both GEMVs with prefetch_weight) replayed with
+    launch_dependents_after and under every well-formed value, the bits equal the same chain run
+    eagerly without them; a bad argument or knob value is an error naming it."""
     M, I, K = 1, 776, 1544
     src = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
@@ -137,24 +139,29 @@ def test_gemv_silu_mul_dependents_early_knob(monkeypatch):
     h, y = _poisoned(M, I), torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
     ops = torch.ops.decodex
 
-    def chain():
+    def chain(after=0):
         ops.rms_norm(src, norm_w, 1e-6, x)
-        ops.gemv_silu_mul(x, w, h, prefetch_weight=True)
+        ops.gemv_silu_mul(x, w, h, prefetch_weight=True, launch_dependents_after=after)
         ops.gemv(h, w2, None, y, prefetch_weight=True)
 
     chain()
     want_h, want_y = h.clone(), y.clone()
     _check_close(want_h, x, w)
-    for value in ("1", f"{2 * I},{K}:1", "0"):
-        monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", value)
-        graph = capture_graph(chain)
+    values = ("1", f"{2 * I},{K}:1", "0") if knob.endswith("EARLY") else ("80", f"{2 * I},{K}:100", "0")
+    for value, after in [(None, 80)] + [(v, 0) for v in values]:
+        if value is not None:
+            monkeypatch.setenv(knob, value)
+        graph = capture_graph(lambda: chain(after))
         h.fill_(float("nan"))
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(h, want_h) and torch.equal(y, want_y), f"differs under {value!r}"
-    monkeypatch.setenv("DECODEX_GEMV_DEPENDENTS_EARLY", "2")
-    with pytest.raises(RuntimeError, match="DECODEX_GEMV_DEPENDENTS_EARLY"):
+        assert torch.equal(h, want_h) and torch.equal(y, want_y), f"differs under {value!r}, after {after}"
+    monkeypatch.delenv(knob)
+    with pytest.raises(RuntimeError, match="gemv_silu_mul: launch_dependents_after must be 0 to 100"):
+        ops.gemv_silu_mul(x, w, h, prefetch_weight=True, launch_dependents_after=101)
+    monkeypatch.setenv(knob, "101")
+    with pytest.raises(RuntimeError, match=knob):
         ops.gemv_silu_mul(x, w, h, prefetch_weight=True)
 
 
@@ -275,7 +282,8 @@ def test_gemv_silu_mul_schema_and_fake():
         torch.ops.decodex.gemv_silu_mul_max_rows(missing)
     schema = str(torch.ops.decodex.gemv_silu_mul.default._schema)
     assert schema == ("decodex::gemv_silu_mul(Tensor x, Tensor weight, Tensor(a!) out, "
-                      "bool prefetch_weight=False, float? rms_eps=None, int[]? config=None) -> ()"), schema
+                      "bool prefetch_weight=False, float? rms_eps=None, int[]? config=None, "
+                      "int launch_dependents_after=0) -> ()"), schema
     with FakeTensorMode():
         x = torch.empty(3, 136, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(80, 136, device="cuda", dtype=torch.bfloat16)
