@@ -226,12 +226,13 @@ inline void allow_dynamic_smem(const void* kernel, int bytes, int device, const 
 // that order, after that work: L2 prefetches of a GEMV's weights (safe at any time: L2 is the GPU's
 // point of coherence), and, only where the caller promises that the kernel ahead writes none of
 // them, loads into registers of the GEMV's weights (prefetch_weight) or of decode attention's
-// older cache rows (prefetch_cache). Every kernel triggers after its wait, so the kernel ahead is
-// the only one that can still be running, except after a gemv with launch_dependents_early, which
-// triggers first (gemv.h): the decode step's o product, so that gate|up loads its first weights
-// while the attention's merge leaves the memory bus idle (bench/RESULTS.md, session 55). Triggering
-// first in the attention's kernels, or in every GEMV, was measured slower in the decode step
-// (sessions 8, 19 and 55).
+// older cache rows (prefetch_cache). Every kernel triggers after its wait (a gemv with
+// launch_dependents_after later still, in its main loop), so the kernel ahead is the only one that
+// can still be running, except after a gemv with launch_dependents_early, which triggers first
+// (gemv.h): the decode step's o product, so that gate|up loads its first weights while the
+// attention's merge leaves the memory bus idle (bench/RESULTS.md, session 55). Triggering first in
+// the attention's kernels, or in every GEMV, was measured slower in the decode step (sessions 8, 19
+// and 55).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

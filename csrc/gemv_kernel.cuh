@@ -301,7 +301,8 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   if (launch_dependents_early) pdl_trigger();
   pdl_wait();
   const int trips = s_begin < s_end ? (s_end - s_begin + U - 1) / U : 0;
-  // The trip before whose loads the warp triggers (trips: none, it triggers as the block exits).
+  // The trip before whose loads the warp triggers; at trigger_trip == trips (100%) it never does,
+  // and its block triggers as it exits.
   const int trigger_trip = M == 1 ? dependents_after * trips / 100 : 0;
   const int trigger_s = s_begin + trigger_trip * U;
   if (trigger_trip == 0) pdl_trigger();

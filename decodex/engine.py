@@ -72,6 +72,9 @@ Choices, and why:
   and silu_mul scale their rows by 1/rms(residual), so the norms cost no kernel there either.
 - First layer: the embedding is gathered straight into the residual buffer, where the eager
   model's residual starts too.
+- Qwen2.5-1.5B's gate|up and down products at one row let the next kernel launch only late in
+  their main loop (the GEMV ops' launch_dependents_after, DEPENDENTS_AFTER), so that its loads
+  before its wait fill their drain instead of competing with their first loads.
 - A GEMV's best configuration depends on the kernels around it. Where the attention merges its
   splits in a second kernel (caches of more than about 2K tokens) graphs of as many rows as an
   entry of LONG_CACHE_GEMV serves (1 or 2) give the product of its shape the configuration
@@ -157,9 +160,10 @@ CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits tak
 # weight shape [N, K]: (the percentage on short caches, on caches whose attention merges in the
 # combine kernel, as LONG_CACHE_GEMV). The next kernel then launches late in the product's main
 # loop, so that its loads before its wait (prefetch_weight) come as the product drains, not
-# beside its first loads. Qwen2.5-1.5B's gate|up and down, from scratch A/Bs of percentages on an
-# H100 (bench/RESULTS.md, session 57): 1.6% faster at 1K (80 / 50), 0.7% at 32K (80 / 80). The 7B's
-# gate|up was 0.6% slower at 80, its down unchanged.
+# beside its first loads. Qwen2.5-1.5B's gate|up and down, percentages from A/Bs on an H100
+# (bench/RESULTS.md, session 57): against the same step without them 0.9% faster at 1K, 1.4% at 8K,
+# 1.0% at 32K. The 7B's gate|up was 0.4-0.6% slower at 50-80 and its down unchanged, Llama-3.2-1B's
+# step 1.5% slower: none for them.
 DEPENDENTS_AFTER = {
     (17920, 1536): (80, 80),
     (1536, 8960): (50, 80),
