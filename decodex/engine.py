@@ -161,9 +161,9 @@ CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits tak
 # combine kernel, as LONG_CACHE_GEMV). The next kernel then launches late in the product's main
 # loop, so that its loads before its wait (prefetch_weight) come as the product drains, not
 # beside its first loads. Qwen2.5-1.5B's gate|up and down, percentages from A/Bs on an H100
-# (bench/RESULTS.md, session 57): against the same step without them 0.9% faster at 1K, 1.4% at 8K, 1.3% at 16K,
-# 1.0% at 32K. The 7B's gate|up was 0.4-0.6% slower at 50-80 and its down unchanged, Llama-3.2-1B's
-# step 1.5% slower: none for them.
+# (bench/RESULTS.md, session 57): against the same step without them 0.9% faster at 1K, 1.4% at
+# 8K, 1.3% at 16K, 1.0% at 32K. The 7B's gate|up was 0.4-0.6% slower at 50-80 and its down
+# unchanged, Llama-3.2-1B's step 1.5% slower: none for them.
 DEPENDENTS_AFTER = {
     (17920, 1536): (80, 80),
     (1536, 8960): (50, 80),
