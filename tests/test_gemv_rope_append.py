@@ -205,12 +205,12 @@ def test_gemv_rope_append_dependents_knobs(monkeypatch, knob):
     advance_positions -> gemv_rope_append (prefetch_weight) -> gemv reading its q|k|v output,
     replayed under every well-formed value, out, the caches and the next product equal gemv +
     rope_append at the advanced positions bit for bit; a malformed value is an error naming the
-    knob."""
-    M, H, Hkv, D, K = 2, 12, 2, 128, 1536
+    knob. One row of x: launch_dependents_after is taken at one row only."""
+    M, H, Hkv, D, K = 1, 12, 2, 128, 1536
     x, w, b, kc, vc, inv_freq = _case(M, H, Hkv, D, K)
     N = w.shape[0]
     w2 = (torch.randn(K, N, device="cuda") / N**0.5).to(torch.bfloat16)
-    pos = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([10], dtype=torch.int32, device="cuda")
     lengths = pos + 1
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
