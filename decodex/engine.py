@@ -163,7 +163,9 @@ CLUSTER_SPLITS = 8  # csrc/decode_attention.cu's kClusterSplits: more splits tak
 # beside its first loads. Qwen2.5-1.5B's gate|up and down, percentages from A/Bs on an H100
 # (bench/RESULTS.md, session 57): against the same step without them 0.9% faster at 1K, 1.4% at
 # 8K, 1.3% at 16K, 1.0% at 32K. The 7B's gate|up was 0.4-0.6% slower at 50-80 and its down
-# unchanged, Llama-3.2-1B's step 1.5% slower: none for them.
+# unchanged, Llama-3.2-1B's step 1.5% slower: none for them. Nor for Qwen2.5-0.5B's, -3B's and
+# Qwen3-1.7B's gate|up and down (1-3% slower), or the 1.5B's qkv (1.6% slower at 32K) and LM head
+# (unchanged) (session 58).
 DEPENDENTS_AFTER = {
     (17920, 1536): (80, 80),
     (1536, 8960): (50, 80),
