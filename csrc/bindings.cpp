@@ -34,9 +34,9 @@ TORCH_LIBRARY(decodex, m) {
   // too. The caller promises that the next kernel reads before its wait nothing the kernel ahead of
   // this one writes. A hint: the results are the same; the wgmma kernel (above 16 rows) ignores it.
   // launch_dependents_after (gemv, gemv_silu_mul; 0 to 100, 0 = off): the next kernel may launch
-  // only once each warp has issued that percentage of its main loop's loads, so that its loads
-  // before its wait fill this product's drain (csrc/gemv.h). Also a hint, taken at one row of x
-  // only; excludes launch_dependents_early.
+  // only once each block's first warp has issued that percentage of its main loop's loads, so
+  // that its loads before its wait fill this product's drain (csrc/gemv.h). Also a hint, taken at
+  // one row of x only; excludes launch_dependents_early.
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, bool prefetch_weight=False, "
         "float? rms_eps=None, bool accumulate=False, int[]? config=None, "
         "bool launch_dependents_early=False, int launch_dependents_after=0) -> ()");

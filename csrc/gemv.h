@@ -50,15 +50,18 @@ struct GemvOptions {
   // the A/B knob ("0" or "1" for every shape, or "N,K:0;N,K:1;..."), overrides it, and reaches
   // gemv_silu_mul's and gemv_rope_append's launches too (launch_gemv reads it for every epilogue).
   bool launch_dependents_early = false;
-  // gemv and gemv_silu_mul (1 to 100; 0: off): the next kernel may launch only once every warp has
-  // issued the loads of this percentage of its main loop's trips (100: as the blocks exit), not
-  // right after the wait. The next kernel's loads before its wait (prefetch_weight) then come as
-  // this product's own drain, instead of early beside them (then DRAM idles between this kernel's
-  // last loads and the next one's first after its wait). It pays where this product is large and
-  // the next kernel's blocks fit beside its own: the decode step sets it on Qwen2.5-1.5B's gate|up
-  // and down (bench/RESULTS.md, session 57). launch_dependents_early wins over it. One row of x
-  // only: the instances of more rows (whose registers are all taken at u = 8) and the wgmma kernel
-  // ignore it, as a hint may be ignored.
+  // gemv and gemv_silu_mul (1 to 100; 0: off): the next kernel may launch only once every block
+  // has triggered, not right after the wait, and a block triggers when the first of its warps has
+  // issued the loads of this percentage of its main loop's trips (a block's first
+  // griddepcontrol.launch_dependents is the one that counts; 100: as the blocks exit). The next
+  // kernel's loads before its wait (prefetch_weight) then come as this product's own drain,
+  // instead of early beside them (then DRAM idles between this kernel's last loads and the next
+  // one's first after its wait). It pays where this product is large and the next kernel's blocks
+  // fit beside its own: the decode step sets it on Qwen2.5-1.5B's gate|up and down
+  // (bench/RESULTS.md, session 57). The ops reject it beside launch_dependents_early; where the
+  // knobs combine them, early wins (the first trigger counts). One row of x only: the instances of
+  // more rows (whose registers are all taken at u = 8) and the wgmma kernel ignore it, as a hint
+  // may be ignored.
   // DECODEX_GEMV_DEPENDENTS_AFTER (a percentage for every shape, or "N,K:pct;..."), the A/B knob,
   // overrides it and reaches gemv_rope_append's launches too.
   int launch_dependents_after = 0;

@@ -296,8 +296,9 @@ gemv_kernel(const __nv_bfloat16* __restrict__ x,       // [M, ldx], rows 16 B al
   // launch_dependents_early: the next kernel may launch (and load its weights) while the kernel
   // ahead of this one still runs; dependents_after (percent; one row of x only: the instances of
   // more rows have no registers to spare for it): only once this warp has issued that share of its
-  // trips' loads, so that the next kernel's loads before its wait come as this one's drain
-  // (gemv.h's GemvOptions says when each pays). Otherwise right after the wait, as pdl_begin.
+  // trips' loads (the block triggers with its first warp to get there), so that the next kernel's
+  // loads before its wait come as this one's drain (gemv.h's GemvOptions says when each pays).
+  // Otherwise right after the wait, as pdl_begin.
   if (launch_dependents_early) pdl_trigger();
   pdl_wait();
   const int trips = s_begin < s_end ? (s_end - s_begin + U - 1) / U : 0;
