@@ -170,6 +170,13 @@ DEPENDENTS_AFTER = {
     (17920, 1536): (80, 80),
     (1536, 8960): (50, 80),
 }
+# The o product lets the kernel after it (gate|up) launch before its own wait (the GEMV ops'
+# launch_dependents_early; session 55: on an H100 the 1.5B step 0.7-1.8% faster at 1K-32K), except
+# at one row on caches whose attention merges in the combine kernel for these weight shapes [N, K].
+# Qwen2.5-1.5B's o: on an H200, whose timings the bars are, its step there was 1.1-1.3% faster
+# without the early launch at 8K and 32K, and up to 1.4% at 4K, but 3.1% slower at 1K and 0.7% at
+# two rows on 32K; the 7B's step did not move either way (bench/RESULTS.md, session 60).
+O_LATE_ON_LONG_CACHE = {(1536, 1536)}
 
 
 def check_plans(plans) -> tuple[str, ...]:
@@ -708,6 +715,12 @@ class CudaGraphRunner(HostLoop):
             return 0
         return long if self._splits[n] > CLUSTER_SPLITS else short
 
+    def _o_early(self, n: int, w) -> bool:
+        """Whether the o product (weight w, n rows) lets the next kernel launch before its own wait:
+        yes, but at one row on a long cache (the combine kernel) for O_LATE_ON_LONG_CACHE's shapes."""
+        long_cache = self._splits[n] > CLUSTER_SPLITS
+        return not (n == 1 and long_cache and tuple(w.shape) in O_LATE_ON_LONG_CACHE)
+
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
         rms_eps is given (gemv8 only)."""
@@ -765,9 +778,9 @@ class CudaGraphRunner(HostLoop):
             self._pending_delta = True
             return
         # The o product lets the kernel after it (gate|up, loading its first weights before its
-        # wait) launch before it waits for the attention, whose merge leaves the memory bus idle.
-        # The 1.5B down product lets it launch late instead (DEPENDENTS_AFTER).
-        residual, early = self.residual[:n], name == "o"
+        # wait) launch before it waits for the attention, whose merge leaves the memory bus idle
+        # (_o_early). The 1.5B down product lets it launch late instead (DEPENDENTS_AFTER).
+        residual, early = self.residual[:n], name == "o" and self._o_early(n, w)
         after = 0 if early else self._dependents_after(n, w)
         for s in self._gemv_rows(n, name):
             torch.ops.decodex.gemv(x[s], w, b, residual[s], prefetch_weight=True, accumulate=True,
