@@ -173,9 +173,9 @@ DEPENDENTS_AFTER = {
 # The o product lets the kernel after it (gate|up) launch before its own wait (the GEMV ops'
 # launch_dependents_early; session 55: on an H100 the 1.5B step 0.7-1.8% faster at 1K-32K), except
 # at one row on caches whose attention merges in the combine kernel for these weight shapes [N, K].
-# Qwen2.5-1.5B's o: on an H200, whose timings the bars are, its step there was 1.1-1.3% faster
-# without the early launch at 8K and 32K, and up to 1.4% at 4K, but 3.1% slower at 1K and 0.7% at
-# two rows on 32K; the 7B's step did not move either way (bench/RESULTS.md, session 60).
+# Qwen2.5-1.5B's o: on an H200, whose timings the bars are, its step there was 0.5-1.7% faster
+# without the early launch at 4K-32K (one of three runs at 4K unchanged), but 3.1% slower at 1K and
+# 0.7% at two rows on 32K; the 7B's step did not move either way (bench/RESULTS.md, session 60).
 O_LATE_ON_LONG_CACHE = {(1536, 1536)}
 
 
