@@ -698,12 +698,17 @@ class CudaGraphRunner(HostLoop):
             ops.rms_norm(residual, weight, self.eps, hidden)
         return hidden, None
 
+    def _long_cache(self, n: int) -> bool:
+        """Whether the attention of a graph of n rows merges its splits in the combine kernel (more
+        than CLUSTER_SPLITS splits), where LONG_CACHE_GEMV and the long-cache entries apply."""
+        return self._splits[n] > CLUSTER_SPLITS
+
     def _gemv_config(self, n: int, w) -> list[int] | None:
         """The GEMV ops' `config` for a product of n rows with weight w: LONG_CACHE_GEMV's entry for
         w's shape where it applies (n at most the entry's rows, the attention merging in the combine
         kernel, and clusters on the device if the entry has them), else None (the GEMV's choice)."""
         cfg, rows = LONG_CACHE_GEMV.get(tuple(w.shape), (None, 0))
-        if cfg is None or n > rows or self._splits[n] <= CLUSTER_SPLITS:
+        if cfg is None or n > rows or not self._long_cache(n):
             return None
         return list(cfg) if cfg[2] == 1 or self._clusters else None
 
@@ -713,13 +718,12 @@ class CudaGraphRunner(HostLoop):
         short, long = DEPENDENTS_AFTER.get(tuple(w.shape), (0, 0))
         if n != 1:
             return 0
-        return long if self._splits[n] > CLUSTER_SPLITS else short
+        return long if self._long_cache(n) else short
 
     def _o_early(self, n: int, w) -> bool:
         """Whether the o product (weight w, n rows) lets the next kernel launch before its own wait:
         yes, but at one row on a long cache (the combine kernel) for O_LATE_ON_LONG_CACHE's shapes."""
-        long_cache = self._splits[n] > CLUSTER_SPLITS
-        return not (n == 1 and long_cache and tuple(w.shape) in O_LATE_ON_LONG_CACHE)
+        return not (n == 1 and self._long_cache(n) and tuple(w.shape) in O_LATE_ON_LONG_CACHE)
 
     def _linear(self, n: int, name: str, x, w, b, out, rms_eps=None) -> None:
         """out[n, N] = x[n, K] @ w[N, K]^T (+ b) by the plan of `name`, scaled by 1/rms(x) if
