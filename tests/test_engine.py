@@ -736,6 +736,25 @@ def test_dependents_after_choice():
     assert runner._dependents_after(1, gate_up) == short_gu and runner._dependents_after(1, down) == short_down
 
 
+def test_o_early_choice():
+    """_o_early on a stand-in runner (no GPU): the o product launches the next kernel early, but not
+    at one row on a long cache (more than CLUSTER_SPLITS splits) for O_LATE_ON_LONG_CACHE's shapes."""
+
+    class Weight:
+        def __init__(self, *shape):
+            self.shape = torch.Size(shape)
+
+    assert (1536, 1536) in engine.O_LATE_ON_LONG_CACHE  # Qwen2.5-1.5B's o (session 60, H200)
+    runner = object.__new__(engine.CudaGraphRunner)
+    o_15b, o_7b = Weight(1536, 1536), Weight(3584, 3584)
+    runner._splits = {1: 66, 2: 33}
+    assert not runner._o_early(1, o_15b)  # one row, the combine kernel, a named shape
+    assert runner._o_early(2, o_15b)  # two rows
+    assert runner._o_early(1, o_7b)  # a shape not named
+    runner._splits = {1: 8}  # a short cache: the splits merge in a cluster
+    assert runner._o_early(1, o_15b)
+
+
 @pytest.mark.ext
 def test_cluster_splits_is_the_attention_cluster_limit():
     """engine.CLUSTER_SPLITS mirrors decode_attention.cu's kClusterSplits: a cache of 9-16
@@ -796,6 +815,22 @@ def test_dependents_after_reaches_the_products(monkeypatch):
     for capacity in (256, 2200):
         runner = engine.CudaGraphRunner(m.gpu, max_batch=1, capacity=capacity)
         run_and_check(f"qwen2 dependents after, capacity {capacity}", m, runner, [prompt], steps=16)
+
+
+@pytest.mark.gpu
+def test_o_late_on_long_cache_matches_reference(monkeypatch):
+    """O_LATE_ON_LONG_CACHE naming the test model's o: its 1-row graph on a long cache (17 splits,
+    the combine kernel) launches o without the early trigger, a 2-row graph with it, and both
+    steps still match the reference."""
+    m = models("qwen2-d128")
+    o = tuple(m.gpu.layers[0].o_w.shape)
+    monkeypatch.setattr(engine, "O_LATE_ON_LONG_CACHE", {o})
+    runner = engine.CudaGraphRunner(m.gpu, max_batch=2, capacity=2200)
+    assert runner._splits[1] > engine.CLUSTER_SPLITS
+    assert not runner._o_early(1, m.gpu.layers[0].o_w) and runner._o_early(2, m.gpu.layers[0].o_w)
+    prompts = [torch.randint(0, m.config.vocab_size, (T,)).tolist() for T in (37, 90)]
+    run_and_check("qwen2 o late on a long cache, 1 row", m, runner, prompts[:1], steps=16)
+    run_and_check("qwen2 o late on a long cache, 2 rows", m, runner, prompts, steps=16)
 
 
 @pytest.mark.gpu
