@@ -676,15 +676,23 @@ def test_context_grows_past_capture_length_without_recapture():
     assert torch.cuda.memory_allocated() == before, "a graph replay allocated memory"
 
 
+class Weight:
+    """A weight's stand-in for the plan-choice tests below: its shape only."""
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+
+
+def stand_in_runner():
+    """A CudaGraphRunner without __init__ (no GPU, no model): the tests set the attributes that the
+    method under test reads (_splits, _clusters)."""
+    return object.__new__(engine.CudaGraphRunner)
+
+
 def test_long_cache_gemv_config_choice():
     """_gemv_config on a stand-in runner (no GPU): LONG_CACHE_GEMV's entry only for a named shape,
     at most the entry's rows, more than CLUSTER_SPLITS splits, and clusters where it has them."""
-
-    class Weight:
-        def __init__(self, *shape):
-            self.shape = torch.Size(shape)
-
-    runner = object.__new__(engine.CudaGraphRunner)
+    runner = stand_in_runner()
     runner._splits = {1: 132, 2: 66, 4: 33, 8: 8}
     runner._clusters = True
     qkv, gate_up, gate_up_7b = Weight(2048, 1536), Weight(17920, 1536), Weight(37888, 3584)
@@ -717,14 +725,9 @@ def test_dependents_after_choice():
     """_dependents_after on a stand-in runner (no GPU): DEPENDENTS_AFTER's short-cache entry where
     the splits merge in a cluster, its long-cache entry past CLUSTER_SPLITS, for one row only and
     named shapes only; every entry a percentage the GEMV ops take."""
-
-    class Weight:
-        def __init__(self, *shape):
-            self.shape = torch.Size(shape)
-
     for shape, pcts in engine.DEPENDENTS_AFTER.items():
         assert len(pcts) == 2 and all(0 <= p <= 100 for p in pcts), (shape, pcts)
-    runner = object.__new__(engine.CudaGraphRunner)
+    runner = stand_in_runner()
     gate_up, down = Weight(17920, 1536), Weight(1536, 8960)
     short_gu, long_gu = engine.DEPENDENTS_AFTER[(17920, 1536)]
     short_down, long_down = engine.DEPENDENTS_AFTER[(1536, 8960)]
@@ -739,13 +742,8 @@ def test_dependents_after_choice():
 def test_o_early_choice():
     """_o_early on a stand-in runner (no GPU): the o product launches the next kernel early, but not
     at one row on a long cache (more than CLUSTER_SPLITS splits) for O_LATE_ON_LONG_CACHE's shapes."""
-
-    class Weight:
-        def __init__(self, *shape):
-            self.shape = torch.Size(shape)
-
     assert (1536, 1536) in engine.O_LATE_ON_LONG_CACHE  # Qwen2.5-1.5B's o (session 60, H200)
-    runner = object.__new__(engine.CudaGraphRunner)
+    runner = stand_in_runner()
     o_15b, o_7b = Weight(1536, 1536), Weight(3584, 3584)
     runner._splits = {1: 66, 2: 33}
     assert not runner._o_early(1, o_15b)  # one row, the combine kernel, a named shape
