@@ -290,6 +290,19 @@ def _resolve_model(model_or_path, device, dtype):
     return _MODEL_CACHE[key]
 
 
+def _render_chat(tok: Tokenizer, i: int, messages: list[dict], template_vars: dict) -> str:
+    """Prompt i's chat as the model's template renders it, with a generation prompt. A template
+    error (a message without a key the template reads, or the template's own raise_exception, such
+    as roles that do not alternate) is a ValueError naming the prompt, the template's message kept."""
+    import jinja2
+
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"prompt {i}: the model's chat template cannot render this chat "
+                         f"({type(e).__name__}: {e})") from e
+
+
 def _stop_strings(stop) -> list[str]:
     """generate's `stop`: None, a str, or an iterable of str -> the non-empty strings."""
     if stop is None:
@@ -491,13 +504,13 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
     if not prompts:
         raise ValueError("the list of prompts is empty")
     prompt_ids = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if _is_chat(p) or (isinstance(p, str) and (chat or (chat is None and tok.has_chat_template))):
             if not tok.has_chat_template:
                 raise ValueError("chat prompt given, but the model's tokenizer has no chat template")
             messages = p if _is_chat(p) else [{"role": "user", "content": p}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
-            prompt_ids.append(tok.encode(text, add_special_tokens=False))
+            prompt_ids.append(tok.encode(_render_chat(tok, i, messages, template_vars),
+                                         add_special_tokens=False))
         elif isinstance(p, str):
             prompt_ids.append(tok.encode(p, add_special_tokens=True))
         else:

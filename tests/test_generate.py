@@ -249,6 +249,31 @@ def test_chat_handling(model):
         tok.chat_template = saved
 
 
+def test_chat_template_errors_name_the_prompt(model):
+    """A chat the template cannot render is a ValueError naming the prompt and keeping the
+    template's message: a message without the "content" the template reads, and the template's own
+    raise_exception. The tokenizer's apply_chat_template still raises jinja2's error, as
+    transformers' does."""
+    import jinja2
+
+    no_content = [{"role": "user"}]
+    with pytest.raises(ValueError, match=r"prompt 0: the model's chat template cannot render this "
+                                         r"chat \(UndefinedError: .*content"):
+        G.generate(model, no_content, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1: .*content"):
+        G.generate(model, [CAPITAL, no_content], max_new_tokens=2)
+    with pytest.raises(jinja2.exceptions.UndefinedError):
+        model.tokenizer.apply_chat_template(no_content)
+    tok = model.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+        with pytest.raises(ValueError, match=r"prompt 0: .*\(TemplateError: roles must alternate\)"):
+            G.generate(model, CAPITAL, max_new_tokens=2)
+    finally:
+        tok.chat_template = saved
+
+
 def test_prompt_too_long(model):
     limit = model.config.max_position_embeddings
     long_prompt = "word " * (limit + 10)
