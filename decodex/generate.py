@@ -292,13 +292,14 @@ def _resolve_model(model_or_path, device, dtype):
 
 def _render_chat(tok: Tokenizer, i: int, messages: list[dict], template_vars: dict) -> str:
     """Prompt i's chat as the model's template renders it, with a generation prompt. A template
-    error (a message without a key the template reads, or the template's own raise_exception, such
-    as roles that do not alternate) is a ValueError naming the prompt, the template's message kept."""
+    error (a message without a key the template reads, a content of a type it cannot use, or the
+    template's own raise_exception, such as roles that do not alternate) is a ValueError naming the
+    prompt, the template's message kept."""
     import jinja2
 
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
-    except jinja2.exceptions.TemplateError as e:
+    except (jinja2.exceptions.TemplateError, TypeError) as e:
         raise ValueError(f"prompt {i}: the model's chat template cannot render this chat "
                          f"({type(e).__name__}: {e})") from e
 
@@ -514,7 +515,10 @@ def generate(model_or_path=None, prompt=None, *, max_new_tokens: int = 128, temp
         elif isinstance(p, str):
             prompt_ids.append(tok.encode(p, add_special_tokens=True))
         else:
-            raise TypeError(f"a prompt is a str or a list of message dicts, got {type(p).__name__}")
+            hint = (" (a list mixing message dicts with other items is neither a chat nor a list "
+                    "of prompts)" if isinstance(p, dict) else "")
+            raise TypeError(f"prompt {i}: a prompt is a str or a list of message dicts, got "
+                            f"{type(p).__name__}{hint}")
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise ValueError(f"prompt {i} is empty after tokenization")

@@ -264,14 +264,26 @@ def test_chat_template_errors_name_the_prompt(model):
         G.generate(model, [CAPITAL, no_content], max_new_tokens=2)
     with pytest.raises(jinja2.exceptions.UndefinedError):
         model.tokenizer.apply_chat_template(no_content)
+    list_content = [{"role": "user", "content": ["a list"]}]  # SmolLM2's template adds str contents
+    with pytest.raises(ValueError, match=r"prompt 0: .*\(TypeError: "):
+        G.generate(model, list_content, max_new_tokens=2)
     tok = model.tokenizer
     saved = tok.chat_template
     try:
         tok.chat_template = "{{ raise_exception('roles must alternate') }}"
-        with pytest.raises(ValueError, match=r"prompt 0: .*\(TemplateError: roles must alternate\)"):
+        with pytest.raises(ValueError, match=r"prompt 0: .*\(TemplateError: roles must alternate"):
             G.generate(model, CAPITAL, max_new_tokens=2)
     finally:
         tok.chat_template = saved
+
+
+def test_prompt_types_are_checked(model):
+    """A prompt that is neither a str nor a chat is a TypeError naming it; a list mixing message
+    dicts with other items (neither a chat nor a batch) says so."""
+    with pytest.raises(TypeError, match="prompt 1: a prompt is a str or a list of .*, got int"):
+        G.generate(model, [CAPITAL, 3], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"prompt 0: .* got dict \(a list mixing message dicts"):
+        G.generate(model, [{"role": "user", "content": CAPITAL}, "x"], max_new_tokens=2)
 
 
 def test_prompt_too_long(model):
