@@ -817,9 +817,10 @@ def test_dependents_after_reaches_the_products(monkeypatch):
 
 @pytest.mark.gpu
 def test_o_late_on_long_cache_matches_reference(monkeypatch):
-    """O_LATE_ON_LONG_CACHE naming the test model's o: its 1-row graph on a long cache (17 splits,
-    the combine kernel) launches o without the early trigger, a 2-row graph with it, and both
-    steps still match the reference."""
+    """O_LATE_ON_LONG_CACHE naming the test model's o: on a long cache (more than CLUSTER_SPLITS
+    splits, the combine kernel) the runner gives its 1-row graph's o no early trigger and its 2-row
+    graph's o one (a bool hint, so the launch itself cannot be checked here), and both graphs' steps
+    match the reference."""
     m = models("qwen2-d128")
     o = tuple(m.gpu.layers[0].o_w.shape)
     monkeypatch.setattr(engine, "O_LATE_ON_LONG_CACHE", {o})
