@@ -99,6 +99,12 @@ def attention_workspace(batch: int, num_heads: int, num_kv_heads: int, head_dim:
                         device) -> torch.Tensor:
     """The fp32 scratch decode_attention needs for a cache of this capacity."""
     _require("attention_workspace")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError(f"decodex.ops.attention_workspace: device must be a CUDA device, got {device}")
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"decodex.ops.attention_workspace: {name} must be >= 1, got {value}")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = ops.decode_attention_splits(batch, num_kv_heads, capacity, sms)
     return torch.empty(batch, num_heads, splits, head_dim + 2, dtype=torch.float32, device=device)

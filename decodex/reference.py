@@ -58,6 +58,11 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
     """weight [N, K] with its columns scaled by norm_weight [K] (fp32 product, rounded to weight's
     dtype): rms_norm(x, norm_weight) @ weight^T == gemv(x, fold_norm_weight(weight, norm_weight),
     rms_eps=eps) up to that rounding."""
+    if weight.dim() != 2:
+        raise ValueError(f"fold_norm_weight: weight must be 2-D [N, K], got shape {list(weight.shape)}")
+    if norm_weight.shape != weight.shape[1:]:
+        raise ValueError(f"fold_norm_weight: norm_weight must have shape [{weight.shape[1]}] (weight's K), "
+                         f"got {list(norm_weight.shape)}")
     return (weight.float() * norm_weight.float()).to(weight.dtype)
 
 

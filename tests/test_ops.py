@@ -60,3 +60,30 @@ def test_wrapper_rejects_non_tensors():
 def test_wrapper_rejects_wrong_dims(name, args, match):
     with pytest.raises(RuntimeError, match=match):
         getattr(ops, name)(*args())
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("args,error,match", [
+    ((1, 12, 2, 128, 1024, "cpu"), RuntimeError,
+     r"decodex\.ops\.attention_workspace: device must be a CUDA device, got cpu"),
+    ((1, 0, 2, 128, 1024, "cuda"), ValueError, r"decodex\.ops\.attention_workspace: num_heads must be >= 1, got 0"),
+    ((1, 12, 2, -128, 1024, "cuda"), ValueError,
+     r"decodex\.ops\.attention_workspace: head_dim must be >= 1, got -128"),
+])
+def test_attention_workspace_rejects_bad_arguments(args, error, match):
+    # Checked before any CUDA call, so these run without a GPU.
+    with pytest.raises(error, match=match):
+        ops.attention_workspace(*args)
+
+
+@pytest.mark.parametrize("weight,norm_weight,match", [
+    (torch.randn(4, 8), torch.ones(7), r"norm_weight must have shape \[8\] \(weight's K\), got \[7\]"),
+    (torch.randn(4, 8), torch.ones(1), r"norm_weight must have shape \[8\] \(weight's K\), got \[1\]"),
+    (torch.randn(4, 8), torch.ones(4, 8), r"norm_weight must have shape \[8\] \(weight's K\), got \[4, 8\]"),
+    (torch.randn(8), torch.ones(8), r"weight must be 2-D \[N, K\], got shape \[8\]"),
+])
+def test_fold_norm_weight_checks_shapes(weight, norm_weight, match):
+    # A [1] norm weight would broadcast over every column: an error, not a silent scaling.
+    with pytest.raises(ValueError, match=rf"fold_norm_weight: {match}"):
+        ops.fold_norm_weight(weight, norm_weight)
+    assert ops.fold_norm_weight is reference.fold_norm_weight
