@@ -589,10 +589,18 @@ def parse_ab(text: str) -> dict:
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
+    """"1x1024,64x1k" -> [(1, 1024), (64, 1024)]; a ValueError names the item it cannot read."""
     cases = []
     for part in text.split(","):
-        b, c = part.lower().split("x")
-        cases.append((int(b), int(c.replace("k", "")) * (1024 if "k" in c else 1)))
+        b, _, c = part.lower().partition("x")
+        k = c.endswith("k")
+        try:
+            batch, context = int(b), int(c[:-1] if k else c) * (1024 if k else 1)
+        except ValueError:
+            raise ValueError(f"BATCHxCONTEXT items such as 1x1024 or 64x1k, got {part!r}") from None
+        if batch < 1 or context < 1:
+            raise ValueError(f"batch and context must be >= 1, got {part!r}")
+        cases.append((batch, context))
     return cases
 
 
@@ -792,10 +800,17 @@ def parse_args(argv):
         args.rms_in_gemv = choice
     default = (SWEEP_CASES if args.sweep_gemv else LIVE_PLAN_CASES if args.live_plans
                else AB_CASES if args.ab else CASES)
-    args.cases = parse_cases(args.cases) if args.cases else list(default)
     if args.profile_cases is not None and not args.profile:
         p.error("--profile-cases goes with --profile")
-    args.profile_cases = parse_cases(args.profile_cases) if args.profile_cases else list(PROFILE_CASES)
+
+    def cases_arg(flag, given, fallback):
+        try:
+            return parse_cases(given) if given else list(fallback)
+        except ValueError as e:
+            p.error(f"{flag}: {e}")
+
+    args.cases = cases_arg("--cases", args.cases, default)
+    args.profile_cases = cases_arg("--profile-cases", args.profile_cases, PROFILE_CASES)
     if args.sweep_gemv and any(b > GEMV_MAX_ROWS for b, _ in args.cases):
         p.error(f"--sweep-gemv tunes the GEMV of at most {GEMV_MAX_ROWS} rows; got cases {args.cases}")
     if args.live_plans and any(b <= GEMV_MAX_ROWS for b, _ in args.cases):

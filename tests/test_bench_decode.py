@@ -8,6 +8,20 @@ def test_parse_cases():
     assert decode.parse_cases("1x1024,64x1k,1x32K") == [(1, 1024), (64, 1024), (1, 32768)]
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--cases", "1x"], "--cases: BATCHxCONTEXT items such as 1x1024 or 64x1k, got '1x'"),
+    (["--cases", "1x1024,8"], "--cases: BATCHxCONTEXT items such as 1x1024 or 64x1k, got '8'"),
+    (["--cases", "1x1kk"], "--cases: BATCHxCONTEXT items such as 1x1024 or 64x1k, got '1x1kk'"),
+    (["--cases", "0x1024"], "--cases: batch and context must be >= 1, got '0x1024'"),
+    (["--cases", "1x-5"], "--cases: batch and context must be >= 1, got '1x-5'"),
+    (["--profile", "--profile-cases", "1x0"], "--profile-cases: batch and context must be >= 1, got '1x0'"),
+])
+def test_bad_cases_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
 def test_sweep_gemv_cases():
     assert decode.parse_args(["--sweep-gemv"]).cases == [(1, 1024), (8, 1024)]
     assert decode.parse_args(["--sweep-gemv", "--cases", "4x2k"]).cases == [(4, 2048)]
