@@ -8,6 +8,7 @@ per call = replay time / calls in the graph. Median of `reps` replays.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 
@@ -125,8 +126,27 @@ def print_table(title: str, headers: list[str], rows: list[list], file=None) -> 
     return text
 
 
+def require_gpu() -> None:
+    """Exits with the reason where the benchmarks cannot run: no CUDA GPU, or the kernels not built."""
+    if not torch.cuda.is_available():
+        raise SystemExit("decodex's benchmarks need a CUDA GPU (torch.cuda.is_available() is False here)")
+    from decodex import _ext
+
+    if not _ext.available():
+        raise SystemExit(_ext.why_unavailable())
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: "1,2,8" -> [1, 2, 8]."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
+
+
 def bench_main(title: str, headers: list[str], rows) -> None:
     """The main() of an op benchmark: measure the ceiling, then print `rows(bw)` as one table."""
+    require_gpu()
     bw = read_bandwidth_gbs()
     print(f"bandwidth measured now: {bw:.0f} GB/s", flush=True)
     print_table(title, headers, rows(bw))

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 
 import torch
 
-from bench.common import expected_experts, print_table, read_bandwidth_gbs
+from bench.common import expected_experts, print_table, read_bandwidth_gbs, require_gpu
 from decodex.engine import event_time_ms
 from decodex.model import GEMV_MAX_ROWS
 
@@ -821,8 +821,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench.decode needs a CUDA GPU")
+    require_gpu()
     t0 = time.perf_counter()
     if args.sweep_gemv or args.live_plans or args.ab:
         for key in args.models:

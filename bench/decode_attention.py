@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+from bench.common import copies_for, print_table, read_bandwidth_gbs, require_gpu, time_graph
 
 CONTEXTS = [1024, 8192, 32768, 131072]
 KV_HEADS = [2, 4, 8]
@@ -92,6 +92,7 @@ def rows(bw_gbs: float | None = None) -> list[list]:
 
 
 def main() -> None:
+    require_gpu()
     bw = read_bandwidth_gbs()
     print_table(f"{TITLE}; measured read bandwidth {bw:.0f} GB/s", HEADERS, rows(bw))
 

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.common import copies_for, print_table, read_bandwidth_gbs, time_graph
+from bench.common import copies_for, int_list, print_table, read_bandwidth_gbs, require_gpu, time_graph
 
 # (model, name, N, K): weight [N, K].
 SHAPES = [
@@ -206,6 +206,7 @@ def _wide_configs(K: int):
 def sweep(only: str | None = None, ms=(1, 8), shapes=SHAPES, prefetch_weight: bool = True) -> None:
     """Per shape and M: the heuristic's time, then the best configurations found; every call with
     prefetch_weight as given (True: as the decode graph calls the GEMV; False: plain calls)."""
+    require_gpu()
     import decodex  # noqa: F401
 
     clusters = torch.cuda.get_device_capability()[0] >= 9
@@ -248,10 +249,10 @@ def main(argv=None) -> None:
                                   "e.g. '7B' or '1.5B down,7B gate'")
     p.add_argument("--models", help="the shapes of these bench.decode presets (comma-separated keys, e.g. "
                                     "'llama3.1-8b,qwen3-8b') instead of Qwen2.5-1.5B's and -7B's")
-    p.add_argument("--ms", help="rows of x, comma-separated (1..64; default 1,2,4,8 for the table, 1,8 "
+    p.add_argument("--ms", type=int_list, help="rows of x, comma-separated (1..64; default 1,2,4,8 for the table, 1,8 "
                                 "for --sweep); with it the table skips the RMS and accumulate tables")
     args = p.parse_args(argv)
-    ms = None if args.ms is None else [int(m) for m in args.ms.split(",")]
+    ms = args.ms
     if ms is not None and not all(1 <= m <= 64 for m in ms):
         p.error(f"--ms: every M must be in 1..64, got {args.ms}")
     try:
@@ -263,6 +264,7 @@ def main(argv=None) -> None:
     if args.sweep:
         sweep(args.only, ms or (1, 8), shapes, prefetch_weight=not args.plain)
         return
+    require_gpu()
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
     print_table(TITLE, HEADERS, rows(bw, ms or MS, args.only, shapes))

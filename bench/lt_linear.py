@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from bench.common import print_table, read_bandwidth_gbs, time_graph
+from bench.common import int_list, print_table, read_bandwidth_gbs, require_gpu, time_graph
 from bench.gemv import SHAPES, _buffers, _selected, _stack, _time_cublas
 from decodex.engine import LT_WORKSPACE_BYTES
 
@@ -59,11 +59,12 @@ def rows(bw: float, ms=MS, only: str | None = None) -> list[list]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="only shapes whose label contains one of these (comma-separated)")
-    p.add_argument("--ms", help="rows of x, comma-separated (default 16,32,64)")
+    p.add_argument("--ms", type=int_list, help="rows of x, comma-separated (default 16,32,64)")
     args = p.parse_args(argv)
-    ms = MS if args.ms is None else [int(m) for m in args.ms.split(",")]
+    ms = MS if args.ms is None else args.ms
     if not all(m >= 1 for m in ms):
         p.error(f"--ms: every M must be >= 1, got {args.ms}")
+    require_gpu()
     bw = read_bandwidth_gbs()
     print(f"read bandwidth measured now: {bw:.0f} GB/s", flush=True)
     print_table(TITLE, HEADERS, rows(bw, ms, args.only))

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench.common import copies_for, fused_row, print_table, read_bandwidth_gbs
+from bench.common import copies_for, fused_row, print_table, read_bandwidth_gbs, require_gpu
 from bench.rope_append import _torch_rope_append
 
 # (model, H, Hkv, B, Qwen3's q/k norms: then no rms_x / bias)
@@ -93,6 +93,7 @@ def rows(bw_gbs: float | None = None) -> list[list]:
 
 
 def main() -> None:
+    require_gpu()
     bw = read_bandwidth_gbs()
     print_table(f"{TITLE}; measured read bandwidth {bw:.0f} GB/s", HEADERS, rows(bw))
 

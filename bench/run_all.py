@@ -83,6 +83,9 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     jobs = [(op.strip(), []) for op in args.ops.split(",") if op.strip()]
+    unknown = [name for name, _ in jobs if name not in OPS]
+    if unknown:
+        p.error(f"--ops: no op benchmark {', '.join(map(repr, unknown))}; choose from {', '.join(OPS)}")
     if args.decode is not None:
         jobs.append(("decode", shlex.split(args.decode)))
     with open(args.out, "w") as f:

@@ -1,8 +1,13 @@
 """The benchmark harness's arithmetic, which needs no GPU: how many input sets make a stack L2-cold,
-what a table row holds, and how the table prints. (The timing itself runs on the GPU only.)"""
+what a table row holds, and how the table prints; and the benchmarks' usage errors. (The timing
+itself runs on the GPU only.)"""
+import argparse
+
 import pytest
+import torch
 
 import bench.common as bc
+from bench import gemv, lt_linear, run_all
 
 
 def test_copies_for_exceeds_the_cold_stack():
@@ -57,3 +62,32 @@ def test_expected_experts():
     assert bc.expected_experts(128, 8, 1) == 8.0
     assert bc.expected_experts(128, 8, 2) == pytest.approx(16 - 0.5)
     assert 127 < bc.expected_experts(128, 8, 1000) <= 128
+
+
+def test_int_list():
+    assert bc.int_list("1,8,64") == [1, 8, 64]
+    for bad in ("x", "1,,2", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"comma-separated integers, got '{bad}'"):
+            bc.int_list(bad)
+
+
+@pytest.mark.parametrize("module", [gemv, lt_linear])
+def test_ms_that_is_not_integers_is_a_usage_error(module, capsys):
+    with pytest.raises(SystemExit):
+        module.main(["--ms", "1,x"])
+    assert "argument --ms: comma-separated integers, got '1,x'" in capsys.readouterr().err
+
+
+def test_require_gpu_says_why(monkeypatch):
+    # Every benchmark calls it before its first CUDA call: no GPU is one line, not a driver traceback.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"decodex's benchmarks need a CUDA GPU"):
+        bc.require_gpu()
+
+
+def test_run_all_rejects_unknown_ops(tmp_path, capsys):
+    out = tmp_path / "r.md"
+    with pytest.raises(SystemExit):
+        run_all.main(["--out", str(out), "--ops", "gemv,nosuch"])
+    assert "--ops: no op benchmark 'nosuch'; choose from gemv, " in capsys.readouterr().err
+    assert not out.exists()  # refused before anything ran or was written
