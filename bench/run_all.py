@@ -5,8 +5,8 @@
   python -m bench.run_all --out r.md --decode "--quick"  # and bench.decode with these arguments
 
 Each benchmark prints its tables through bench.common.print_table; what it prints is copied into
---out when it finishes (so a crash later keeps the earlier tables). A missing module is noted and skipped;
-one that fails is reported with its error and the others still run.
+--out when it finishes (so a crash later keeps the earlier tables). --ops names only benchmarks of
+OPS; one that fails is reported with its error and the others still run.
 """
 from __future__ import annotations
 
@@ -47,10 +47,6 @@ def run_module(name: str, argv: list[str]) -> tuple[str, str]:
     everything it printed)."""
     try:
         module = importlib.import_module(f"bench.{name}")
-    except ModuleNotFoundError as e:
-        if e.name in (f"bench.{name}",):
-            return "missing", ""
-        return f"import failed: {e}", traceback.format_exc()
     except Exception as e:  # noqa: BLE001 - report and go on
         return f"import failed: {type(e).__name__}: {e}", traceback.format_exc()
     main = getattr(module, "main", None)
@@ -100,16 +96,13 @@ def main(argv=None):
         _free_gpu_memory()
         with open(args.out, "a") as f:
             f.write(f"## bench.{name}\n\n")
-            if status == "missing":
-                f.write("(no bench/{0}.py yet: skipped)\n\n".format(name))
-            else:
-                if status != "ok":
-                    f.write(f"**{status}**\n\n")
-                # Tables are markdown already; anything else (notes, tracebacks) goes in a code block.
-                tables, other = _split_tables(text)
-                f.write(tables)
-                if other.strip():
-                    f.write("```\n" + other.strip() + "\n```\n\n")
+            if status != "ok":
+                f.write(f"**{status}**\n\n")
+            # Tables are markdown already; anything else (notes, tracebacks) goes in a code block.
+            tables, other = _split_tables(text)
+            f.write(tables)
+            if other.strip():
+                f.write("```\n" + other.strip() + "\n```\n\n")
         if status != "ok":
             print(f"bench.{name}: {status}", flush=True)
     lines = ["| benchmark | status | seconds |", "|---|---|---|"]
@@ -118,7 +111,7 @@ def main(argv=None):
         f.write("## summary\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"tables written to {args.out}")
-    return 0 if all(s in ("ok", "missing") for _, s, _ in summary) else 1
+    return 0 if all(s == "ok" for _, s, _ in summary) else 1
 
 
 def _free_gpu_memory():
